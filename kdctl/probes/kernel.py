@@ -65,8 +65,11 @@ def probe_xids(transport: Transport, *, timeout: float = 15.0) -> XidProbe:
             result = transport.run(argv, timeout=timeout)
         except TransportError as exc:
             return XidProbe(readable=False, error=str(exc))
-        if result.ok:
+        lines = [ln for ln in result.stdout.splitlines() if ln.strip() != "-- No entries --"]
+        # journalctl exits 0 having read nothing when the journal is missing or off-limits;
+        # a booted kernel always logs, so an empty answer means "could not look".
+        if result.ok and lines:
             return XidProbe(readable=True, source=argv[0], events=parse_xids(result.stdout))
-        last = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-1]
+        last = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}, no lines"])[-1]
         failures.append(f"{argv[0]}: {last}")
     return XidProbe(readable=False, error="kernel log unreadable (" + "; ".join(failures) + ")")

@@ -16,18 +16,16 @@ class Reachability(BaseModel):
 
 
 def probe_reachability(transport: Transport, *, timeout: float = 10.0) -> Reachability:
-    """Connect, then time one trivial command: the round trip on a warm connection."""
+    """Connect, then time one round trip on the warm connection."""
     started = time.monotonic()
     try:
         transport.connect()
         connected = time.monotonic()
-        result = transport.run(["true"], timeout=timeout)
+        rtt = transport.round_trip(timeout=timeout)
     except KdctlError as exc:
         return Reachability(reachable=False, error=str(exc))
-    if not result.ok:
-        return Reachability(reachable=False, error=f"`true` exited {result.exit_code}")
     return Reachability(
         reachable=True,
         connect_ms=round((connected - started) * 1000, 2),
-        rtt_ms=round(result.duration_s * 1000, 2),
+        rtt_ms=round(rtt * 1000, 2),
     )

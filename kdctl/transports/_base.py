@@ -5,6 +5,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdctl.errors import TransportError
+
 
 @dataclass(frozen=True)
 class CommandResult:
@@ -46,6 +48,13 @@ class Transport(abc.ABC):
         self, argv: Sequence[str], *, timeout: float = 30.0, stdin: bytes | None = None
     ) -> CommandResult:
         """Run `argv`; raise CommandTimeout past `timeout`, TransportError when it cannot run."""
+
+    def round_trip(self, *, timeout: float = 10.0) -> float:
+        """Seconds for one request to the host and back; raises when it cannot be made."""
+        result = self.run(["true"], timeout=timeout)
+        if not result.ok:
+            raise TransportError(self.name, f"`true` exited {result.exit_code}")
+        return result.duration_s
 
     @abc.abstractmethod
     def put(self, local: Path, remote: str, *, mode: int | None = None) -> None:

@@ -7,6 +7,7 @@ import os
 import posixpath
 import select
 import shlex
+import socket
 import threading
 import time
 import uuid
@@ -93,6 +94,9 @@ class SSHTransport(Transport):
         client.set_missing_host_key_policy(_HostKeyPolicy(self.name, spec, self.known_hosts))
         timeout = spec.connect_timeout_s
         try:
+            sock = socket.create_connection((spec.address, spec.port), timeout=timeout)
+            # Without it, Nagle and delayed ACKs add 40 ms to every small request.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client.connect(
                 spec.address,
                 port=spec.port,
@@ -104,6 +108,7 @@ class SSHTransport(Transport):
                 banner_timeout=timeout,
                 auth_timeout=timeout,
                 channel_timeout=timeout,
+                sock=sock,
             )
         except HostKeyError:
             client.close()

@@ -1,0 +1,162 @@
+"""Real OpenSSH sshd instances on loopback, each standing in for one host."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+# A login with a plain POSIX shell and no rc files: a remote command then costs what sshd costs,
+# not what the local root's .bashrc (pyenv init) costs, which would dwarf everything measured.
+PROBE_USER = "kdctl-probe"
+
+
+def ensure_probe_user() -> str:
+    if subprocess.run(["id", "-u", PROBE_USER], capture_output=True).returncode != 0:
+        subprocess.run(
+            ["useradd", "--create-home", "--shell", "/bin/sh", "--password", "*", PROBE_USER],
+            check=True,
+            capture_output=True,
+        )
+    return PROBE_USER
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def keygen(path: Path) -> None:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)],
+        check=True,
+    )
+
+
+def known_hosts_line(port: int, hostkey_pub: Path) -> str:
+    kind, b64 = hostkey_pub.read_text().split()[:2]
+    return f"[127.0.0.1]:{port} {kind} {b64}\n"
+
+
+@dataclass
+class Sshd:
+    name: str
+    port: int
+    root: Path
+    hostkey: Path
+    proc_pid: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pidfile(self) -> Path:
+        return self.root / "sshd.pid"
+
+    def stop(self) -> None:
+        try:
+            pid = int(self.pidfile.read_text())
+        except (OSError, ValueError):
+            return
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
+
+
+def start_sshd(
+    root: Path, name: str, authorized_keys: Path, *, env: dict[str, str] | None = None
+) -> Sshd:
+    """Start one sshd on a free loopback port with its own host key; wait until it listens."""
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)
+    Path("/run/sshd").mkdir(exist_ok=True)
+    hostkey = root / "hostkey"
+    if not hostkey.exists():
+        keygen(hostkey)
+    port = free_port()
+    setenv = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    config = root / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {hostkey}",
+                f"AuthorizedKeysFile {authorized_keys}",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                f"PidFile {root / 'sshd.pid'}",
+                "StrictModes no",
+                "UsePAM no",
+                "MaxStartups 100:30:200",
+                "MaxSessions 50",
+                "Subsystem sftp internal-sftp",
+                *([f"SetEnv {setenv}"] if setenv else []),
+                "",
+            ]
+        )
+    )
+    subprocess.run([SSHD, "-f", str(config), "-E", str(root / "log")], check=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return Sshd(name=name, port=port, root=root, hostkey=hostkey, env=env or {})
+        time.sleep(0.02)
+    raise RuntimeError(f"sshd {name} did not listen on {port}: {(root / 'log').read_text()}")
+
+
+class SshdFleet:
+    """Several sshd hosts sharing one user key, with a known_hosts file listing all of them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        # sshd reads authorized_keys as the user logging in, so it must be able to reach it.
+        root.chmod(0o755)
+        self.user = ensure_probe_user()
+        self.userkey = root / "userkey"
+        keygen(self.userkey)
+        self.authorized_keys = root / "authorized_keys"
+        shutil.copy(root / "userkey.pub", self.authorized_keys)
+        self.authorized_keys.chmod(0o644)
+        self.known_hosts = root / "known_hosts"
+        self.known_hosts.write_text("")
+        self.hosts: dict[str, Sshd] = {}
+
+    def add(self, name: str, *, env: dict[str, str] | None = None) -> Sshd:
+        sshd = start_sshd(self.root / name, name, self.authorized_keys, env=env)
+        self.hosts[name] = sshd
+        with self.known_hosts.open("a") as fh:
+            fh.write(known_hosts_line(sshd.port, sshd.hostkey.with_suffix(".pub")))
+        return sshd
+
+    def host_entry(self, name: str, **extra: object) -> dict[str, object]:
+        """An inventory `hosts:` entry for one of the fleet's sshd hosts."""
+        sshd = self.hosts[name]
+        entry: dict[str, object] = {
+            "address": "127.0.0.1",
+            "port": sshd.port,
+            "user": self.user,
+            "identity_file": str(self.userkey),
+            "known_hosts": str(self.known_hosts),
+        }
+        entry.update(extra)
+        return entry
+
+    def stop(self) -> None:
+        for sshd in self.hosts.values():
+            sshd.stop()

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
-from pydantic import SecretStr, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from kdctl.errors import InputError
 from kdctl.inventory import _yaml
@@ -223,24 +223,33 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Loc, str]]:
 
 
 def _fields_at(loc: Loc) -> list[str]:
-    """The field names a model accepts at `loc`, for 'did you mean' hints."""
+    """The field names the model at `loc` accepts, for 'did you mean' hints."""
     model: Any = Inventory
     for part in loc:
-        if isinstance(part, int) or model is None:
+        if isinstance(part, str) and _is_model(model) and part in model.model_fields:
+            model = _model_in(model.model_fields[part].annotation)
+        elif isinstance(part, str) and get_origin(model) is dict:
+            model = _model_in(get_args(model)[1])  # hosts.NAME, backends.NAME
+        else:
             return []
-        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
-        if field is None:
-            # A dict of named entries: hosts.NAME, backends.NAME.
-            args = getattr(model, "__args__", None)
-            model = args[-1] if args else None
-            continue
-        model = field.annotation
-        args = [a for a in getattr(model, "__args__", ()) if hasattr(a, "model_fields")]
-        if args:
-            model = args[0]
-        elif not hasattr(model, "model_fields"):
-            model = model if getattr(model, "__args__", None) else None
-    return list(model.model_fields) if hasattr(model, "model_fields") else []
+    return list(model.model_fields) if _is_model(model) else []
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _model_in(tp: Any) -> Any:
+    """Unwrap Annotated and Optional down to a model or a dict type."""
+    if get_origin(tp) is Annotated:
+        return _model_in(get_args(tp)[0])
+    if _is_model(tp) or get_origin(tp) is dict:
+        return tp
+    for arg in get_args(tp):
+        inner = _model_in(arg)
+        if inner is not None:
+            return inner
+    return None
 
 
 def _format(doc: _yaml.Document, problems: list[tuple[Loc, str]]) -> str:

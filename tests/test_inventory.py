@@ -1,0 +1,203 @@
+"""Inventories, good and bad, through the real CLI: exit 2 and FILE:LINE: field: message."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kdctl.errors import InputError
+from kdctl.inventory import load_inventory, resolve_inventory_path
+from tests.conftest import REPO, kdctl
+
+GOOD = """\
+hosts:
+  box:
+    address: 10.0.0.5
+    user: ops
+    gpus: 4
+backends:
+  sglang:
+    kind: sglang
+    host: box
+    url: http://10.0.0.5:30000
+    gpus: [0, 1, 2, 3]
+    tp_size: 4
+"""
+
+# (name, inventory text, expected line, text the message must contain)
+BAD = [
+    ("bad yaml", "hosts:\n  box: [unclosed\n  other: 1\n", 3, "invalid YAML"),
+    (
+        "wrong type",
+        "hosts:\n  box:\n    address: h\n    port: twenty\n",
+        4,
+        "hosts.box.port: must be an integer",
+    ),
+    ("negative port", "hosts:\n  box:\n    address: h\n    port: -22\n", 4, "hosts.box.port: must be >= 1"),
+    ("tp size zero", GOOD.replace("tp_size: 4", "tp_size: 0"), 12, "backends.sglang.tp_size: must be >= 1"),
+    (
+        "tp larger than gpus",
+        GOOD.replace("tp_size: 4", "tp_size: 8"),
+        12,
+        "backends.sglang.tp_size: tp_size 8 is larger than the 4 GPU(s)",
+    ),
+    ("unknown kind", GOOD.replace("kind: sglang", "kind: tgi"), 8, "backends.sglang.kind: unknown backend kind 'tgi'"),
+    ("unknown host", GOOD.replace("host: box", "host: bx"), 9, "unknown host 'bx' (known: box); did you mean 'box'?"),
+    (
+        "missing api key variable",
+        GOOD + "    api_key_env: KDCTL_TEST_UNSET_KEY\n",
+        13,
+        "backends.sglang.api_key_env: environment variable KDCTL_TEST_UNSET_KEY is not set",
+    ),
+    ("duplicate names", GOOD + "  sglang:\n    kind: openai\n    host: box\n", 13, "duplicate key 'sglang' (first defined on line 7)"),
+    ("typo in a field", GOOD.replace("tp_size", "tp_szie"), 12, "backends.sglang.tp_szie: unknown field; did you mean 'tp_size'?"),
+    (
+        "gpu beyond the host",
+        GOOD.replace("[0, 1, 2, 3]", "[0, 1, 2, 9]"),
+        11,
+        "backends.sglang.gpus[3]: GPU 9 does not exist: host 'box' has 4 GPU(s)",
+    ),
+    ("gpu listed twice", GOOD.replace("[0, 1, 2, 3]", "[0, 1, 1, 3]"), 11, "backends.sglang.gpus: lists a GPU more than once"),
+    ("ssh host without address", "hosts:\n  box:\n    user: ops\n", 3, "hosts.box: an ssh host needs an 'address'"),
+    (
+        "credentials in url",
+        GOOD.replace("http://10.0.0.5", "http://admin:hunter2@10.0.0.5"),
+        10,
+        "backends.sglang.url: must not carry credentials",
+    ),
+    (
+        "router serves nothing known",
+        GOOD + "router:\n  kind: nginx\n  host: box\n  listen: 0.0.0.0:8000\n  serving: native\n",
+        17,
+        "router.serving: unknown backend 'native'",
+    ),
+    (
+        "service of no known shape",
+        GOOD + "    service: {unit: sglang.service}\n",
+        13,
+        "backends.sglang.service: must have either 'systemd: UNIT' or 'command: ...'",
+    ),
+    (
+        "unit name with shell",
+        GOOD + "    service: {systemd: 'sglang.service; touch /tmp/x'}\n",
+        13,
+        "is not a systemd unit name",
+    ),
+    (
+        "relative pidfile",
+        GOOD + "    service: {command: serve, pidfile: run/x.pid, log: /var/log/x.log}\n",
+        13,
+        "backends.sglang.service.pidfile: 'run/x.pid' must be an absolute path",
+    ),
+    ("host key policy", "hosts:\n  box:\n    address: h\n    host_key_policy: yolo\n", 4, "must be one of 'reject' or 'accept-new' (got 'yolo')"),
+    ("not a mapping", "- hosts\n- backends\n", 1, "must be a mapping"),
+    ("no hosts", "backends: {}\n", 1, "hosts: required field is missing"),
+    ("bad listen", GOOD + "router: {kind: nginx, host: box, listen: 'localhost', serving: sglang}\n", 13, "must be ADDRESS:PORT"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "line", "needle"), BAD, ids=[b[0] for b in BAD])
+def test_malformed_inventory_is_refused_with_line_and_field(
+    tmp_path: Path, name: str, text: str, line: int, needle: str
+) -> None:
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    run = kdctl("inventory", "check", "--inventory", str(path))
+    assert run.code == 2, (run.out, run.err)
+    assert "Traceback" not in run.err + run.out
+    assert f"{path}:{line}:" in run.err, run.err
+    assert needle in run.err, run.err
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "inv.yaml"
+    path.write_text(GOOD.replace("tp_size: 4", "tp_size: 0") + "    bogus: 1\n")
+    with pytest.raises(InputError) as exc:
+        load_inventory(path)
+    lines = str(exc.value).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(f"{path}:12: backends.sglang.tp_size")
+    assert lines[1].startswith(f"{path}:13: backends.sglang.bogus: unknown field")
+
+
+def test_missing_file_is_bad_input(tmp_path: Path) -> None:
+    run = kdctl("inventory", "check", "-i", str(tmp_path / "nope.yaml"))
+    assert run.code == 2
+    assert "no such inventory file" in run.err
+
+
+def test_shipped_inventories_are_valid(tmp_path: Path) -> None:
+    run = kdctl("inventory", "check", "--json", cwd=REPO)
+    assert run.code == 0, run.err
+    assert '"valid": true' in run.out
+    run = kdctl(
+        "inventory",
+        "check",
+        "-i",
+        "examples/ct200-8gpu.yaml",
+        env={"SGLANG_API_KEY": "s3cret-sglang", "NATIVE_API_KEY": "s3cret-native"},
+        cwd=REPO,
+    )
+    assert run.code == 0, run.err
+    assert "NVIDIA RTX PRO 6000 Blackwell" in run.out
+    assert "s3cret" not in run.out + run.err
+
+
+def test_example_box_describes_the_team_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_API_KEY", "k1")
+    monkeypatch.setenv("NATIVE_API_KEY", "k2")
+    inv = load_inventory(REPO / "examples" / "ct200-8gpu.yaml")
+    assert inv.hosts["ct200"].gpus == 8
+    sglang, native = inv.backends["sglang"], inv.backends["native"]
+    assert sglang.tp_size == 8 and sglang.url and sglang.url.endswith(":30000")
+    assert sglang.service is not None and getattr(sglang.service, "systemd", None) == "sglang.service"
+    assert native.url != sglang.url and set(native.gpus) == set(sglang.gpus)
+    assert inv.spec.router is not None and inv.spec.router.kind == "nginx"
+    assert inv.api_key("sglang") is not None
+    assert inv.api_key("sglang").get_secret_value() == "k1"  # type: ignore[union-attr]
+    assert "k1" not in repr(inv.api_key("sglang"))
+
+
+def test_inventory_and_state_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = tmp_path / "a.yaml"
+    a.write_text(GOOD + "state_dir: st\n")
+    monkeypatch.delenv("KDCTL_INVENTORY", raising=False)
+    monkeypatch.delenv("KDCTL_STATE_DIR", raising=False)
+    assert resolve_inventory_path(None) == Path("inventory.yaml")
+    monkeypatch.setenv("KDCTL_INVENTORY", str(a))
+    assert resolve_inventory_path(None) == a
+    assert resolve_inventory_path("b.yaml") == Path("b.yaml")
+    # Relative to the inventory's folder, not to wherever kdctl was started.
+    assert load_inventory(a).state_dir == tmp_path / "st"
+    monkeypatch.setenv("KDCTL_STATE_DIR", str(tmp_path / "env"))
+    assert load_inventory(a).state_dir == tmp_path / "env"
+    assert load_inventory(a, state_dir=tmp_path / "opt").state_dir == tmp_path / "opt"
+    run = kdctl("inventory", "check", "--json", "--state-dir", str(tmp_path / "cli"))
+    assert run.code == 0, run.err
+    assert str(tmp_path / "cli") in run.out
+
+
+def test_api_key_from_file(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("from-file\n")
+    path = tmp_path / "i.yaml"
+    path.write_text(GOOD + "    api_key_file: key\n")
+    assert load_inventory(path).api_key("sglang").get_secret_value() == "from-file"  # type: ignore[union-attr]
+    path.write_text(GOOD + "    api_key_file: missing-key\n")
+    with pytest.raises(InputError, match="i.yaml:13: backends.sglang.api_key_file"):
+        load_inventory(path)
+
+
+def test_values_are_text_not_markup(tmp_path: Path) -> None:
+    path = tmp_path / "i.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            hosts:
+              box: {transport: local, gpu_model: "[bold red]x[/]"}
+            """
+        )
+    )
+    run = kdctl("inventory", "check", "-i", str(path))
+    assert run.code == 0, run.err

@@ -81,7 +81,7 @@ def fleet() -> Iterator[SshdFleet]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def need_nginx() -> str:
     _need("/usr/sbin/nginx", "nginx (apt-get install nginx)")
     return shutil.which("nginx") or "/usr/sbin/nginx"

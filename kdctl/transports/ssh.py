@@ -68,6 +68,7 @@ class SSHTransport(Transport):
         self.known_hosts = known_hosts
         self.identity_file = identity_file
         self._client: paramiko.SSHClient | None = None
+        self._pending: socket.socket | None = None
         self._lock = threading.Lock()
 
     def connect(self) -> None:
@@ -94,7 +95,7 @@ class SSHTransport(Transport):
         client.set_missing_host_key_policy(_HostKeyPolicy(self.name, spec, self.known_hosts))
         timeout = spec.connect_timeout_s
         try:
-            sock = socket.create_connection((spec.address, spec.port), timeout=timeout)
+            sock = self._pending = socket.create_connection((spec.address, spec.port), timeout=timeout)
             # Without it, Nagle and delayed ACKs add 40 ms to every small request.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client.connect(
@@ -133,6 +134,8 @@ class SSHTransport(Transport):
             client.close()
             reason = str(exc) or type(exc).__name__
             raise TransportError(self.name, f"cannot connect to {spec.target}: {reason}") from None
+        finally:
+            self._pending = None
         transport = client.get_transport()
         if transport is not None:
             transport.set_keepalive(KEEPALIVE_S)
@@ -224,9 +227,19 @@ class SSHTransport(Transport):
             sftp.close()
 
     def close(self) -> None:
-        with self._lock:
+        pending = self._pending
+        if pending is not None:
+            # A connect still in progress holds the lock; closing its socket ends it now
+            # instead of after its timeout, so giving up on a hung host costs nothing more.
+            with contextlib.suppress(OSError):
+                pending.close()
+        if not self._lock.acquire(timeout=0 if pending is not None else 5):
+            return
+        try:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+        finally:
+            self._lock.release()
 
 

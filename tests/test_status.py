@@ -1,0 +1,190 @@
+"""`kdctl status` end to end: real sshd hosts, real nginx answering as engines' /health."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kdctl.transports import fan_out
+from tests.conftest import kdctl, write_inventory
+from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.sshd import SshdFleet, free_port
+
+API_KEY = "right-key-9f3a"
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory, need_nginx: str) -> Iterator[dict[str, int]]:
+    """nginx servers answering /health the way engines do: 200, 503 while loading, 401."""
+    ports = {"up": free_port(), "starting": free_port(), "auth": free_port()}
+    servers = f"""
+  server {{ listen 127.0.0.1:{ports["up"]}; location = /health {{ return 200; }} }}
+  server {{ listen 127.0.0.1:{ports["starting"]}; location = /health {{ return 503; }} }}
+  server {{
+    listen 127.0.0.1:{ports["auth"]};
+    location = /health {{
+      if ($http_authorization != "Bearer {API_KEY}") {{ return 401; }}
+      return 200;
+    }}
+  }}
+"""
+    pidfile = start_nginx(tmp_path_factory.mktemp("nginx"), servers, list(ports.values()))
+    yield ports
+    stop_nginx(pidfile)
+
+
+def test_status_over_ssh(fleet: SshdFleet, engines: dict[str, int], tmp_path: Path) -> None:
+    # The probe's login is not root: the pidfile lies where that user can read it.
+    run_dir = Path(tempfile.mkdtemp(prefix="kdctl-run-"))
+    run_dir.chmod(0o755)
+    pidfile = run_dir / "engine.pid"
+    engine = subprocess.Popen(["sleep", "300"])
+    pidfile.write_text(str(engine.pid))
+    try:
+        inv = write_inventory(
+            tmp_path / "inv.yaml",
+            {
+                "hosts": {
+                    "gpu": fleet.host_entry("gpu", gpus=1, gpu_model="NVIDIA H200"),
+                    "plain": fleet.host_entry("plain"),
+                },
+                "backends": {
+                    "sglang": {
+                        "kind": "sglang",
+                        "host": "gpu",
+                        "url": f"http://127.0.0.1:{engines['up']}",
+                        "gpus": [0],
+                        "model": "tiny",
+                        "service": {
+                            "command": "sleep 300",
+                            "pidfile": str(pidfile),
+                            "log": str(tmp_path / "log"),
+                        },
+                    },
+                    "native": {
+                        "kind": "native",
+                        "host": "plain",
+                        "url": f"http://127.0.0.1:{engines['starting']}",
+                    },
+                    "vllm": {
+                        "kind": "openai",
+                        "host": "plain",
+                        "url": f"http://127.0.0.1:{engines['auth']}",
+                        "api_key_env": "KDCTL_TEST_KEY",
+                    },
+                    "gone": {"kind": "sglang", "host": "plain", "url": f"http://127.0.0.1:{free_port()}"},
+                },
+                "router": {"kind": "nginx", "host": "gpu", "listen": "127.0.0.1:8000", "serving": "sglang"},
+            },
+        )
+        run = kdctl("status", "-i", str(inv), "--json", env={"KDCTL_TEST_KEY": API_KEY})
+        assert run.code == 0, run.err
+        doc = json.loads(run.out)
+        assert set(doc) >= {"hosts", "backends", "traffic"}
+        hosts = {h["name"]: h for h in doc["hosts"]}
+        gpu = hosts["gpu"]
+        assert gpu["reachable"] and gpu["rtt_ms"] > 0
+        assert [g["name"] for g in gpu["gpus"]["gpus"]] == ["NVIDIA H200"]
+        assert gpu["gpus"]["gpus"][0]["memory_total_mib"] == 143771
+        assert gpu["xids"]["readable"] and gpu["xids"]["events"] == []
+        assert hosts["plain"]["gpus"]["note"] == "no NVIDIA GPUs visible"
+        # The plain login may not read the kernel log: said so, not passed off as "no Xids".
+        assert hosts["plain"]["xids"]["readable"] or hosts["plain"]["xids"]["error"]
+        backends = {b["name"]: b for b in doc["backends"]}
+        assert {n: b["state"] for n, b in backends.items()} == {
+            "sglang": "up",
+            "native": "starting",
+            "vllm": "up",
+            "gone": "down",
+        }
+        assert backends["sglang"]["latency_ms"] > 0
+        assert backends["sglang"]["service"]["state"] == "running"
+        assert backends["sglang"]["service"]["pid"] == engine.pid
+        assert {"name", "kind", "url", "state"} <= set(backends["native"])
+        assert doc["traffic"]["serving"] == "sglang"
+
+        wrong = kdctl("status", "-i", str(inv), "--json", env={"KDCTL_TEST_KEY": "wrong"})
+        vllm = next(b for b in json.loads(wrong.out)["backends"] if b["name"] == "vllm")
+        assert (vllm["state"], vllm["detail"]) == ("unknown", "authentication failed")
+        assert API_KEY not in run.out + run.err and "wrong" not in wrong.out
+
+        table = kdctl("status", "-i", str(inv), env={"KDCTL_TEST_KEY": API_KEY})
+        assert table.code == 0
+        assert "NVIDIA H200" in table.out and "no NVIDIA GPUs visible" in table.out
+        assert "starting" in table.out and "connection refused" in table.out
+    finally:
+        engine.kill()
+        engine.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_dead_host_is_reported_within_its_deadline(fleet: SshdFleet, tmp_path: Path) -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the TCP handshake completes, then nothing: a hung sshd
+        inv = write_inventory(
+            tmp_path / "inv.yaml",
+            {
+                "hosts": {
+                    "gpu": fleet.host_entry("gpu"),
+                    "dead": {
+                        "address": "127.0.0.1",
+                        "port": silent.getsockname()[1],
+                        "connect_timeout_s": 30,
+                        "known_hosts": str(fleet.known_hosts),
+                    },
+                    "plain": fleet.host_entry("plain"),
+                    "plain2": fleet.host_entry("plain2"),
+                }
+            },
+        )
+        started = time.monotonic()
+        run = kdctl("status", "-i", str(inv), "--json", "--timeout", "2")
+        elapsed = time.monotonic() - started
+    assert run.code == 3, run.err
+    hosts = {h["name"]: h for h in json.loads(run.out)["hosts"]}
+    assert not hosts["dead"]["reachable"]
+    assert "no answer within 2s" in hosts["dead"]["error"]
+    assert all(hosts[n]["reachable"] for n in ("gpu", "plain", "plain2"))
+    # The dead host's own deadline, plus start-up; never its 30 s connect timeout.
+    assert elapsed < 2 + 4, elapsed
+
+
+def test_fan_out_bounds_threads_and_deadlines() -> None:
+    import threading
+
+    live = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def probe(host: str) -> str:
+        nonlocal live, peak
+        with lock:
+            live += 1
+            peak = max(peak, live)
+        try:
+            time.sleep(5 if host == "h0" else 0.05)
+            if host == "h1":
+                raise RuntimeError("boom")
+            return host.upper()
+        finally:
+            with lock:
+                live -= 1
+
+    hosts = [f"h{i}" for i in range(12)]
+    started = time.monotonic()
+    out = fan_out(probe, hosts, max_workers=3, deadline_s=0.5)
+    assert time.monotonic() - started < 2
+    assert out["h0"].timed_out and out["h0"].value is None
+    assert isinstance(out["h1"].error, RuntimeError)
+    assert [out[h].value for h in hosts[2:]] == [h.upper() for h in hosts[2:]]
+    # Three workers, plus the one that replaced the worker stuck on h0.
+    assert peak <= 4

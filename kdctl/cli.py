@@ -29,12 +29,16 @@ out = Console(highlight=False)
 InventoryOpt = Annotated[
     Path | None,
     typer.Option(
-        "--inventory", "-i", help="Inventory file [default: $KDCTL_INVENTORY, else ./inventory.yaml]"
+        "--inventory",
+        "-i",
+        help="Inventory file [default: $KDCTL_INVENTORY, else ./inventory.yaml]",
     ),
 ]
 StateDirOpt = Annotated[
     Path | None,
-    typer.Option("--state-dir", help="State directory [default: $KDCTL_STATE_DIR, else the inventory's]"),
+    typer.Option(
+        "--state-dir", help="State directory [default: $KDCTL_STATE_DIR, else the inventory's]"
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
 

@@ -27,14 +27,14 @@ def status_tables(report: StatusReport) -> Group:
         gpus = h.gpus
         if gpus is None or not gpus.visible:
             gpu_text = Text(
-                (gpus.error or gpus.note or "") if gpus else "", "yellow" if gpus and gpus.error else ""
+                (gpus.error or gpus.note or "") if gpus else "",
+                "yellow" if gpus and gpus.error else "",
             )
         else:
             lines = []
             for g in gpus.gpus:
-                mem = (
-                    f"{(g.memory_used_mib or 0) / 1024:.1f}/{(g.memory_total_mib or 0) / 1024:.1f} GiB"
-                )
+                used, total = (g.memory_used_mib or 0) / 1024, (g.memory_total_mib or 0) / 1024
+                mem = f"{used:.1f}/{total:.1f} GiB"
                 util = "-" if g.utilization_pct is None else f"{g.utilization_pct:.0f}%"
                 lines.append(f"{g.index} {g.name}  {mem}  {util}")
             for p in gpus.processes:
@@ -60,8 +60,15 @@ def status_tables(report: StatusReport) -> Group:
         if b.service:
             service = f"{b.service.state}" + (f" pid {b.service.pid}" if b.service.pid else "")
         backends.add_row(
-            b.name, b.kind, b.url or "-", state, _ms(b.latency_ms), b.model or "-",
-            str(b.tp_size), service, b.detail or "",
+            b.name,
+            b.kind,
+            b.url or "-",
+            state,
+            _ms(b.latency_ms),
+            b.model or "-",
+            str(b.tp_size),
+            service,
+            b.detail or "",
         )
 
     t = report.traffic
@@ -91,7 +98,9 @@ def inventory_summary(inv: LoadedInventory) -> Group:
         if b.service is not None:
             service = getattr(b.service, "systemd", None) or f"command ({b.service.pidfile})"  # type: ignore[union-attr]
         key = (
-            f"${b.api_key_env}" if b.api_key_env else (str(b.api_key_file) if b.api_key_file else "-")
+            f"${b.api_key_env}"
+            if b.api_key_env
+            else (str(b.api_key_file) if b.api_key_file else "-")
         )
         gpus = ",".join(map(str, b.gpus)) or "-"
         backends.add_row(name, b.kind, b.host, b.url or "-", gpus, str(b.tp_size), service, key)

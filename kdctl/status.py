@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from kdctl.backends import probe_health
 from kdctl.backends.health import BackendState
-from kdctl.inventory import LoadedInventory
+from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.probes import (
     GpuProbe,
     ServiceState,
@@ -75,6 +75,19 @@ class _HostFacts(BaseModel):
     services: dict[str, ServiceState] = {}
 
 
+def _declared(name: str, spec: BackendSpec) -> BackendStatus:
+    """What the inventory says of a backend, before anything answered."""
+    return BackendStatus(
+        name=name,
+        kind=spec.kind,
+        host=spec.host,
+        url=spec.url,
+        state="unknown",
+        model=spec.model,
+        tp_size=spec.tp_size,
+    )
+
+
 def collect_status(
     inventory: LoadedInventory, *, deadline_s: float = 20.0, max_workers: int = 32
 ) -> StatusReport:
@@ -109,24 +122,17 @@ def collect_status(
 
         def backend_probe(name: str) -> BackendStatus:
             spec = inventory.backends[name]
-            base = BackendStatus(
-                name=name,
-                kind=spec.kind,
-                host=spec.host,
-                url=spec.url,
-                state="unknown",
-                model=spec.model,
-                tp_size=spec.tp_size,
-            )
+            base = _declared(name, spec)
             if spec.url is None:
                 base.detail = "no URL: not a served engine"
                 return base
             health = probe_health(
                 client, spec.url, api_key=inventory.api_key(name), timeout=min(deadline_s, 10.0)
             )
-            return base.model_copy(update=health.model_dump(exclude={"status_code"}) | {
-                "http_status": health.status_code
-            })
+            return base.model_copy(
+                update=health.model_dump(exclude={"status_code"})
+                | {"http_status": health.status_code}
+            )
 
         # Hosts and backends go out together: a slow engine should not wait behind SSH.
         jobs = [("host", h) for h in inventory.hosts] + [("backend", b) for b in inventory.backends]
@@ -141,36 +147,34 @@ def collect_status(
 
     hosts: list[HostStatus] = []
     services: dict[str, ServiceState] = {}
-    for name, spec in inventory.hosts.items():
+    for name, host_spec in inventory.hosts.items():
         out = outcomes[f"host:{name}"]
         if isinstance(out.value, _HostFacts):
             hosts.append(out.value.host)
             services.update(out.value.services)
         else:
             why = (
-                f"no answer within {deadline_s:g}s" if out.timed_out else f"probe failed: {out.error}"
+                f"no answer within {deadline_s:g}s"
+                if out.timed_out
+                else f"probe failed: {out.error}"
             )
             hosts.append(
                 HostStatus(
-                    name=name, transport=spec.transport, target=spec.target, reachable=False, error=why
+                    name=name,
+                    transport=host_spec.transport,
+                    target=host_spec.target,
+                    reachable=False,
+                    error=why,
                 )
             )
     backends: list[BackendStatus] = []
-    for name, spec in inventory.backends.items():
+    for name, backend_spec in inventory.backends.items():
         out = outcomes[f"backend:{name}"]
         if isinstance(out.value, BackendStatus):
             status = out.value
         else:
-            status = BackendStatus(
-                name=name,
-                kind=spec.kind,
-                host=spec.host,
-                url=spec.url,
-                state="unknown",
-                tp_size=spec.tp_size,
-                model=spec.model,
-                detail=f"no answer within {deadline_s:g}s" if out.timed_out else str(out.error),
-            )
+            status = _declared(name, backend_spec)
+            status.detail = f"no answer within {deadline_s:g}s" if out.timed_out else str(out.error)
         status.service = services.get(name)
         backends.append(status)
 

@@ -67,7 +67,9 @@ def test_query_gpu_capture_with_units() -> None:
 
 def test_query_gpu_without_units_and_eight_gpus() -> None:
     row = (H200 / "query-gpu.csv").read_text().splitlines()
-    header = row[0].replace(" [W]", "").replace(" [MiB]", "").replace(" [%]", "").replace(" [MHz]", "")
+    header = (
+        row[0].replace(" [W]", "").replace(" [MiB]", "").replace(" [%]", "").replace(" [MHz]", "")
+    )
     body = row[1].replace(" W,", ",").replace(" MiB", "").replace(" %", "").replace(" MHz", "")
     lines = [header] + [body.replace("0, GPU-153", f"{i}, GPU-15{i}", 1) for i in range(8)]
     gpus = parse_query_gpu("\n".join(lines))
@@ -135,7 +137,7 @@ def test_broken_driver_is_an_error_not_no_gpus(
 ) -> None:
     env = _replay(
         tmp_path,
-        "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"\n"
+        'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\n'
         "exit 9\n",
     )
     monkeypatch.setenv("PATH", env["PATH"])
@@ -203,8 +205,17 @@ def test_systemd_show_parsing() -> None:
     assert (running.state, running.pid, running.detail) == ("running", 8812, "active/running")
     failed = parse_systemd_show(
         "sglang.service",
-        {"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "MainPID": "0", "Result": "exit-code"},
+        {
+            "LoadState": "loaded",
+            "ActiveState": "failed",
+            "SubState": "failed",
+            "MainPID": "0",
+            "Result": "exit-code",
+        },
     )
     assert failed.state == "failed" and failed.pid is None and "exit-code" in (failed.detail or "")
     assert parse_systemd_show("x.service", {"LoadState": "not-found"}).state == "unknown"
-    assert parse_systemd_show("x.service", {"LoadState": "loaded", "ActiveState": "activating"}).state == "starting"
+    assert (
+        parse_systemd_show("x.service", {"LoadState": "loaded", "ActiveState": "activating"}).state
+        == "starting"
+    )

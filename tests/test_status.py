@@ -80,9 +80,18 @@ def test_status_over_ssh(fleet: SshdFleet, engines: dict[str, int], tmp_path: Pa
                         "url": f"http://127.0.0.1:{engines['auth']}",
                         "api_key_env": "KDCTL_TEST_KEY",
                     },
-                    "gone": {"kind": "sglang", "host": "plain", "url": f"http://127.0.0.1:{free_port()}"},
+                    "gone": {
+                        "kind": "sglang",
+                        "host": "plain",
+                        "url": f"http://127.0.0.1:{free_port()}",
+                    },
                 },
-                "router": {"kind": "nginx", "host": "gpu", "listen": "127.0.0.1:8000", "serving": "sglang"},
+                "router": {
+                    "kind": "nginx",
+                    "host": "gpu",
+                    "listen": "127.0.0.1:8000",
+                    "serving": "sglang",
+                },
             },
         )
         run = kdctl("status", "-i", str(inv), "--json", env={"KDCTL_TEST_KEY": API_KEY})

@@ -17,7 +17,7 @@ from kdctl.inventory.models import CommandService, HostSpec, SystemdService
 from kdctl.probes import probe_service
 from kdctl.transports import LocalTransport
 from kdctl.transports.ssh import SSHTransport
-from tests.conftest import write_inventory, kdctl
+from tests.conftest import kdctl, write_inventory
 from tests.support.sshd import SshdFleet, known_hosts_line
 
 HOSTILE = [
@@ -32,7 +32,9 @@ HOSTILE = [
 ]
 
 
-def ssh(fleet: SshdFleet, name: str, known_hosts: Path | None = None, **spec: object) -> SSHTransport:
+def ssh(
+    fleet: SshdFleet, name: str, known_hosts: Path | None = None, **spec: object
+) -> SSHTransport:
     entry = fleet.host_entry(name, **spec)
     kh = known_hosts or fleet.known_hosts
     entry["known_hosts"] = str(kh)
@@ -62,7 +64,9 @@ def test_local_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     started = time.monotonic()
     with pytest.raises(CommandTimeout):
-        LocalTransport("local").run(["sh", "-c", f"sleep 30 & sleep 31; echo {marker}"], timeout=0.5)
+        LocalTransport("local").run(
+            ["sh", "-c", f"sleep 30 & sleep 31; echo {marker}"], timeout=0.5
+        )
     assert time.monotonic() - started < 5
     time.sleep(0.2)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
@@ -95,7 +99,10 @@ def test_ssh_run_put_get(fleet: SshdFleet, tmp_path: Path) -> None:
             t.get(remote, tmp_path / "back")
             assert (tmp_path / "back").read_bytes() == big.read_bytes()
             # Written under a temporary name and renamed: nothing half-written is left.
-            assert t.run(["sh", "-c", "ls -a /tmp | grep -c '^\\.kdctl-put' || true"]).stdout.strip() == "0"
+            assert (
+                t.run(["sh", "-c", "ls -a /tmp | grep -c '^\\.kdctl-put' || true"]).stdout.strip()
+                == "0"
+            )
         finally:
             t.run(["rm", "-f", remote])
         with pytest.raises(TransportError, match="cannot read /nonexistent"):
@@ -112,9 +119,7 @@ def test_ssh_reuses_one_connection(fleet: SshdFleet) -> None:
 
 
 @pytest.mark.parametrize("template", HOSTILE)
-def test_ssh_arguments_reach_the_remote_side_literally(
-    fleet: SshdFleet, template: str
-) -> None:
+def test_ssh_arguments_reach_the_remote_side_literally(fleet: SshdFleet, template: str) -> None:
     canary = f"/tmp/kdctl-pwned-{uuid.uuid4().hex}"
     value = template.format(canary=canary)
     with ssh(fleet, "plain") as t:
@@ -191,7 +196,9 @@ def test_changed_host_key_fails_status_with_exit_3(fleet: SshdFleet, tmp_path: P
 
 
 def test_wrong_user_key_is_an_authentication_failure(fleet: SshdFleet, tmp_path: Path) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True
+    )
     spec = HostSpec.model_validate(fleet.host_entry("plain"))
     t = SSHTransport("plain", spec, known_hosts=fleet.known_hosts, identity_file=tmp_path / "k")
     with pytest.raises(TransportError, match="authentication failed"):

@@ -148,15 +148,17 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
         if len(set(be.gpus)) != len(be.gpus):
             yield (*at, "gpus"), "lists a GPU more than once"
         if be.gpus and be.tp_size > len(be.gpus):
-            yield (*at, "tp_size"), (
-                f"tp_size {be.tp_size} is larger than the {len(be.gpus)} GPU(s) listed in gpus"
+            yield (
+                (*at, "tp_size"),
+                (f"tp_size {be.tp_size} is larger than the {len(be.gpus)} GPU(s) listed in gpus"),
             )
-        host = hosts.get(be.host)
-        if host and host.gpus:
+        owner = hosts.get(be.host)
+        if owner and owner.gpus:
             for i, gpu in enumerate(be.gpus):
-                if gpu >= host.gpus:
-                    yield (*at, "gpus", i), (
-                        f"GPU {gpu} does not exist: host {be.host!r} has {host.gpus} GPU(s)"
+                if gpu >= owner.gpus:
+                    yield (
+                        (*at, "gpus", i),
+                        (f"GPU {gpu} does not exist: host {be.host!r} has {owner.gpus} GPU(s)"),
                     )
     if spec.router:
         if spec.router.host not in hosts:

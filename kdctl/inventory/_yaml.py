@@ -40,9 +40,12 @@ def _child(node: yaml.Node, part: str | int) -> yaml.Node | None:
         for key, value in node.value:
             if isinstance(key, yaml.ScalarNode) and key.value == str(part):
                 return value  # type: ignore[no-any-return]
-    elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-        if 0 <= part < len(node.value):
-            return node.value[part]  # type: ignore[no-any-return]
+    elif (
+        isinstance(node, yaml.SequenceNode)
+        and isinstance(part, int)
+        and 0 <= part < len(node.value)
+    ):
+        return node.value[part]  # type: ignore[no-any-return]
     return None
 
 
@@ -52,7 +55,7 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise InputError(
@@ -71,7 +74,7 @@ def parse(text: str, source: str) -> Document:
             root = loader.get_single_node()
             data = loader.construct_document(root) if root is not None else None
         finally:
-            loader.dispose()  # type: ignore[no-untyped-call]
+            loader.dispose()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source

@@ -27,9 +27,7 @@ _ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]*")
 _USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # systemd's own alphabet for unit names; the suffix is required so a typo is not a new unit.
-_UNIT = re.compile(
-    r"[A-Za-z0-9:_.\\@-]+\.(service|socket|target|timer|mount|scope|slice)"
-)
+_UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(service|socket|target|timer|mount|scope|slice)")
 
 BUILTIN_BACKEND_KINDS = ("sglang", "openai", "native", "reference")
 

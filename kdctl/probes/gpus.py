@@ -176,7 +176,7 @@ def parse_query_gpu(text: str) -> list[GpuInfo]:
     gpus = []
     for row in rows:
         fields: dict[str, Any] = {}
-        for name, raw in zip(header, row):
+        for name, raw in zip(header, row, strict=False):
             column = _COLUMNS.get(name)
             if column and fields.get(column[0]) is None:
                 fields[column[0]] = _value(raw, column[1])
@@ -191,7 +191,7 @@ def parse_compute_apps(text: str, gpus: list[GpuInfo] | None = None) -> list[Gpu
     by_uuid = {g.uuid: g.index for g in gpus or [] if g.uuid}
     procs = []
     for row in rows:
-        rec = dict(zip(header, (cell.strip() for cell in row)))
+        rec = dict(zip(header, (cell.strip() for cell in row), strict=False))
         pid = _value(rec.get("pid", ""), "int")
         uuid = rec.get("gpu_uuid", "")
         if pid is None or not uuid:

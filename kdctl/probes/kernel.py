@@ -10,9 +10,7 @@ from kdctl.errors import TransportError
 from kdctl.transports import Transport
 
 # `[  123.456] NVRM: Xid (PCI:0000:18:00): 79, pid=1234, name=python, GPU has fallen off the bus.`
-_XID = re.compile(
-    r"NVRM: Xid \((?P<pci>[^)]*)\): (?P<code>\d+)(?:, (?P<detail>.*))?$"
-)
+_XID = re.compile(r"NVRM: Xid \((?P<pci>[^)]*)\): (?P<code>\d+)(?:, (?P<detail>.*))?$")
 _STAMP = re.compile(r"^\[\s*(?P<secs>\d+\.\d+)\]")
 
 # Where a kernel log can be read from, in order; the first that answers wins.

@@ -49,9 +49,7 @@ def _systemd(transport: Transport, service: SystemdService, timeout: float) -> S
     if not result.ok:
         why = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-1]
         return ServiceState(kind="systemd", name=name, state="unknown", detail=why)
-    props = dict(
-        line.split("=", 1) for line in result.stdout.splitlines() if "=" in line
-    )
+    props = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
     return parse_systemd_show(name, props)
 
 

@@ -54,9 +54,7 @@ def fan_out(
             with cond:
                 if host not in results:  # not already given up on
                     elapsed = time.monotonic() - started[host]
-                    results[host] = Outcome(
-                        host, outcome.value, outcome.error, duration_s=elapsed
-                    )
+                    results[host] = Outcome(host, outcome.value, outcome.error, duration_s=elapsed)
                     cond.notify_all()
                 else:
                     return  # this worker was replaced when its host timed out

@@ -43,7 +43,9 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
         self.spec = spec
         self.known_hosts = known_hosts
 
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
         fingerprint = f"{key.get_name()} {key.fingerprint}"
         if self.spec.host_key_policy != "accept-new":
             raise HostKeyError(
@@ -95,7 +97,9 @@ class SSHTransport(Transport):
         client.set_missing_host_key_policy(_HostKeyPolicy(self.name, spec, self.known_hosts))
         timeout = spec.connect_timeout_s
         try:
-            sock = self._pending = socket.create_connection((spec.address, spec.port), timeout=timeout)
+            sock = self._pending = socket.create_connection(
+                (spec.address, spec.port), timeout=timeout
+            )
             # Without it, Nagle and delayed ACKs add 40 ms to every small request.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client.connect(
@@ -172,7 +176,11 @@ class SSHTransport(Transport):
                     out += chan.recv(65536)
                 while chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
-                if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                if (
+                    chan.exit_status_ready()
+                    and not chan.recv_ready()
+                    and not chan.recv_stderr_ready()
+                ):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -241,5 +249,3 @@ class SSHTransport(Transport):
                 self._client = None
         finally:
             self._lock.release()
-
-

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
-import os
 import socket
 import subprocess
 import time

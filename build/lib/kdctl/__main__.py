@@ -1,0 +1,3 @@
+from kdctl.cli import main
+
+main()

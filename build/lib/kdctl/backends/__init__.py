@@ -1,0 +1,9 @@
+"""Backends: one interface over every inference engine kdctl manages.
+
+Kinds: `sglang`, `openai`, `native` and `reference` (DESIGN.md section 4). Other distributions
+add kinds through the `kdctl.backends` entry-point group.
+"""
+
+from kdctl.backends.health import HealthResult, probe_health
+
+__all__ = ["HealthResult", "probe_health"]

@@ -1,0 +1,49 @@
+"""The HTTP health probe that every served engine answers: SGLang, vLLM and the native one."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import httpx
+from pydantic import BaseModel, SecretStr
+
+BackendState = Literal["up", "starting", "down", "unknown"]
+
+
+class HealthResult(BaseModel):
+    state: BackendState
+    latency_ms: float | None = None
+    status_code: int | None = None
+    detail: str | None = None
+
+
+def probe_health(
+    client: httpx.Client, url: str, *, api_key: SecretStr | None = None, timeout: float = 5.0
+) -> HealthResult:
+    """GET `{url}/health`: 200 is up; 503 is starting (SGLang answers it while loading).
+
+    Down means nothing listens; unknown means something answered that is not an engine's
+    health (auth refused, another status, a timeout), which a person must look at.
+    """
+    headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+    started = time.monotonic()
+    try:
+        resp = client.get(f"{url}/health", headers=headers, timeout=timeout)
+    except httpx.ConnectError as exc:
+        reason = "connection refused" if "refused" in str(exc).lower() else f"unreachable: {exc}"
+        return HealthResult(state="down", detail=reason)
+    except httpx.TimeoutException:
+        return HealthResult(state="unknown", detail=f"no answer within {timeout:g}s")
+    except httpx.HTTPError as exc:
+        return HealthResult(state="unknown", detail=f"{type(exc).__name__}: {exc}")
+    latency = round((time.monotonic() - started) * 1000, 2)
+    code = resp.status_code
+    if code == 200:
+        return HealthResult(state="up", latency_ms=latency, status_code=code)
+    if code == 503:
+        return HealthResult(
+            state="starting", latency_ms=latency, status_code=code, detail="not ready yet"
+        )
+    detail = "authentication failed" if code in (401, 403) else f"HTTP {code}"
+    return HealthResult(state="unknown", latency_ms=latency, status_code=code, detail=detail)

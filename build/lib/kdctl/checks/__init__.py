@@ -1,0 +1,1 @@
+"""Checks: the readiness gates, each deciding pass, fail or inconclusive from measurements."""

@@ -1,0 +1,39 @@
+"""The inventory: which hosts, engines and router kdctl manages, loaded from YAML."""
+
+from kdctl.inventory._load import (
+    ENV_INVENTORY,
+    ENV_STATE_DIR,
+    LoadedInventory,
+    backend_kinds,
+    load_inventory,
+    local_path,
+    resolve_api_key,
+    resolve_inventory_path,
+)
+from kdctl.inventory.models import (
+    BackendSpec,
+    CommandService,
+    GateSettings,
+    HostSpec,
+    Inventory,
+    RouterSpec,
+    SystemdService,
+)
+
+__all__ = [
+    "ENV_INVENTORY",
+    "ENV_STATE_DIR",
+    "BackendSpec",
+    "CommandService",
+    "GateSettings",
+    "HostSpec",
+    "Inventory",
+    "LoadedInventory",
+    "RouterSpec",
+    "SystemdService",
+    "backend_kinds",
+    "load_inventory",
+    "local_path",
+    "resolve_api_key",
+    "resolve_inventory_path",
+]

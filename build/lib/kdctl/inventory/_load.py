@@ -1,0 +1,270 @@
+"""Loading an inventory file: YAML, schema, cross-references, secrets, in that order.
+
+Every problem found is reported, each as `FILE:LINE: field.path: message`, so one run of
+`kdctl inventory check` shows all of them, the way a compiler does.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated, Any, get_args, get_origin
+
+from pydantic import BaseModel, SecretStr, ValidationError
+
+from kdctl.errors import InputError
+from kdctl.inventory import _yaml
+from kdctl.inventory.models import (
+    BUILTIN_BACKEND_KINDS,
+    SERVICE_TAGS,
+    BackendSpec,
+    HostSpec,
+    Inventory,
+)
+
+Loc = tuple[str | int, ...]
+
+ENV_INVENTORY = "KDCTL_INVENTORY"
+ENV_STATE_DIR = "KDCTL_STATE_DIR"
+DEFAULT_INVENTORY = Path("inventory.yaml")
+# Kinds that talk HTTP and so need a URL; `reference` runs in-process, `native` in command mode
+# runs a binary.
+_URL_KINDS = {"sglang", "openai"}
+
+
+@dataclass(frozen=True)
+class LoadedInventory:
+    """An inventory that passed every check, with the file it came from."""
+
+    spec: Inventory
+    path: Path
+    state_dir: Path
+
+    @property
+    def hosts(self) -> Mapping[str, HostSpec]:
+        return self.spec.hosts
+
+    @property
+    def backends(self) -> Mapping[str, BackendSpec]:
+        return self.spec.backends
+
+    def api_key(self, backend: str) -> SecretStr | None:
+        return resolve_api_key(self.spec.backends[backend], self.path.parent)
+
+
+def backend_kinds() -> list[str]:
+    """Built-in kinds and those other distributions register under `kdctl.backends`."""
+    plugged = [ep.name for ep in entry_points(group="kdctl.backends")]
+    return sorted(set(BUILTIN_BACKEND_KINDS) | set(plugged))
+
+
+def resolve_inventory_path(option: str | Path | None) -> Path:
+    """`--inventory`, else `KDCTL_INVENTORY`, else `./inventory.yaml`."""
+    if option:
+        return Path(option)
+    env = os.environ.get(ENV_INVENTORY)
+    return Path(env) if env else DEFAULT_INVENTORY
+
+
+def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> LoadedInventory:
+    """Load and check an inventory; raise InputError listing every problem found."""
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{source}: no such inventory file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{source}: cannot read inventory: {exc}") from None
+    doc = _yaml.parse(text, source)
+    if not isinstance(doc.data, dict):
+        raise InputError(f"{source}:1: the inventory must be a mapping with at least 'hosts'")
+
+    try:
+        spec = Inventory.model_validate(doc.data)
+    except ValidationError as exc:
+        raise InputError(_format(doc, _pydantic_problems(exc))) from None
+
+    base = path.parent
+    problems = list(_cross_check(spec, base))
+    if problems:
+        raise InputError(_format(doc, problems))
+
+    chosen = state_dir or os.environ.get(ENV_STATE_DIR) or spec.state_dir
+    return LoadedInventory(spec=spec, path=path, state_dir=local_path(Path(chosen), base))
+
+
+def local_path(path: Path, base: Path) -> Path:
+    """A path on the machine running kdctl: `~` expanded, relative to the inventory's folder."""
+    expanded = path.expanduser()
+    return expanded if expanded.is_absolute() else base / expanded
+
+
+def resolve_api_key(backend: BackendSpec, base: Path) -> SecretStr | None:
+    if backend.api_key_env:
+        value = os.environ.get(backend.api_key_env)
+        return SecretStr(value) if value else None
+    if backend.api_key_file:
+        key_path = local_path(backend.api_key_file, base)
+        try:
+            return SecretStr(key_path.read_text(encoding="utf-8").strip())
+        except OSError:
+            return None
+    return None
+
+
+def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
+    """What one model cannot see: names that point elsewhere, secrets, GPU arithmetic."""
+    hosts = spec.hosts
+    kinds = backend_kinds()
+    for name, host in hosts.items():
+        if host.transport == "ssh" and not host.address:
+            yield ("hosts", name), "an ssh host needs an 'address'"
+    urls: dict[str, str] = {}
+    for name, be in spec.backends.items():
+        at: Loc = ("backends", name)
+        if be.kind not in kinds:
+            yield (*at, "kind"), f"unknown backend kind {be.kind!r} (known: {', '.join(kinds)})"
+        if be.host not in hosts:
+            yield (*at, "host"), _unknown("host", be.host, hosts)
+        if be.mode is not None and be.kind != "native":
+            yield (*at, "mode"), "only a 'native' backend has a mode"
+        needs_url = be.kind in _URL_KINDS or (be.kind == "native" and be.mode != "command")
+        if needs_url and not be.url:
+            yield at, f"a {be.kind!r} backend needs a 'url'"
+        if be.url:
+            if be.url in urls:
+                yield (*at, "url"), f"{be.url} is already the URL of backend {urls[be.url]!r}"
+            urls.setdefault(be.url, name)
+        if be.api_key_env and be.api_key_file:
+            yield (*at, "api_key_env"), "set api_key_env or api_key_file, not both"
+        elif be.api_key_env and not os.environ.get(be.api_key_env):
+            yield (*at, "api_key_env"), f"environment variable {be.api_key_env} is not set"
+        elif be.api_key_file and not local_path(be.api_key_file, base).is_file():
+            yield (*at, "api_key_file"), f"{be.api_key_file} does not exist"
+        if len(set(be.gpus)) != len(be.gpus):
+            yield (*at, "gpus"), "lists a GPU more than once"
+        if be.gpus and be.tp_size > len(be.gpus):
+            yield (
+                (*at, "tp_size"),
+                (f"tp_size {be.tp_size} is larger than the {len(be.gpus)} GPU(s) listed in gpus"),
+            )
+        owner = hosts.get(be.host)
+        if owner and owner.gpus:
+            for i, gpu in enumerate(be.gpus):
+                if gpu >= owner.gpus:
+                    yield (
+                        (*at, "gpus", i),
+                        (f"GPU {gpu} does not exist: host {be.host!r} has {owner.gpus} GPU(s)"),
+                    )
+    if spec.router:
+        if spec.router.host not in hosts:
+            yield ("router", "host"), _unknown("host", spec.router.host, hosts)
+        if spec.router.serving not in spec.backends:
+            yield ("router", "serving"), _unknown("backend", spec.router.serving, spec.backends)
+
+
+def _unknown(what: str, name: str, known: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    listed = ", ".join(sorted(known)) or "none defined"
+    return f"unknown {what} {name!r} (known: {listed}){hint}"
+
+
+_FIELD_WORDS = {
+    "missing": "required field is missing",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping",
+    "model_type": "must be a mapping",
+    "model_attributes_type": "must be a mapping",
+}
+
+
+def _pydantic_problems(exc: ValidationError) -> list[tuple[Loc, str]]:
+    problems: list[tuple[Loc, str]] = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err["loc"] if p not in SERVICE_TAGS and p != "[key]")
+        kind, ctx = err["type"], err.get("ctx") or {}
+        bounds = {
+            "greater_than_equal": ">=",
+            "greater_than": ">",
+            "less_than_equal": "<=",
+            "less_than": "<",
+        }
+        if kind in bounds:
+            limit = next(iter(ctx.values()))
+            msg = f"must be {bounds[kind]} {limit} (got {err['input']!r})"
+        elif kind == "extra_forbidden":
+            msg = "unknown field"
+            fields = _fields_at(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), fields, n=1) if fields else []
+            if close:
+                msg += f"; did you mean {close[0]!r}?"
+        elif kind == "literal_error":
+            msg = f"must be one of {ctx.get('expected')} (got {err['input']!r})"
+        elif kind == "value_error":
+            msg = str(ctx.get("error", err["msg"]))
+        elif kind in _FIELD_WORDS:
+            got = "" if kind == "missing" else f" (got {err['input']!r})"
+            msg = _FIELD_WORDS[kind] + got
+        else:
+            msg = err["msg"][0].lower() + err["msg"][1:]
+        problems.append((loc, msg))
+    return problems
+
+
+def _fields_at(loc: Loc) -> list[str]:
+    """The field names the model at `loc` accepts, for 'did you mean' hints."""
+    model: Any = Inventory
+    for part in loc:
+        if isinstance(part, str) and _is_model(model) and part in model.model_fields:
+            model = _model_in(model.model_fields[part].annotation)
+        elif isinstance(part, str) and get_origin(model) is dict:
+            model = _model_in(get_args(model)[1])  # hosts.NAME, backends.NAME
+        else:
+            return []
+    return list(model.model_fields) if _is_model(model) else []
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _model_in(tp: Any) -> Any:
+    """Unwrap Annotated and Optional down to a model or a dict type."""
+    if get_origin(tp) is Annotated:
+        return _model_in(get_args(tp)[0])
+    if _is_model(tp) or get_origin(tp) is dict:
+        return tp
+    for arg in get_args(tp):
+        inner = _model_in(arg)
+        if inner is not None:
+            return inner
+    return None
+
+
+def _format(doc: _yaml.Document, problems: list[tuple[Loc, str]]) -> str:
+    lines = []
+    for loc, msg in problems:
+        line = doc.line_of(loc)
+        where = f"{doc.source}:{line}" if line else doc.source
+        lines.append(f"{where}: {_dotted(loc)}: {msg}" if loc else f"{where}: {msg}")
+    return "\n".join(lines)
+
+
+def _dotted(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out

@@ -1,0 +1,243 @@
+"""The inventory's schema: hosts, backends, the router, gate settings, where state lives.
+
+Field names follow DESIGN.md section 2; scripts and reports rely on that shape. Every model
+forbids unknown fields, so a typo is an error with a line number rather than a silent default.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
+
+import httpx
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]*")
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+_ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# systemd's own alphabet for unit names; the suffix is required so a typo is not a new unit.
+_UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(service|socket|target|timer|mount|scope|slice)")
+
+BUILTIN_BACKEND_KINDS = ("sglang", "openai", "native", "reference")
+
+
+def _name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a valid name (letters, digits, '_', '.', '-'; at most 63)"
+        )
+    return value
+
+
+def _address(value: str) -> str:
+    if not _ADDRESS.fullmatch(value):
+        raise ValueError(f"{value!r} is not a host name or IP address")
+    return value
+
+
+def _user(value: str) -> str:
+    if not _USER.fullmatch(value):
+        raise ValueError(f"{value!r} is not a valid user name")
+    return value
+
+
+def _env_var(value: str) -> str:
+    if not _ENV_VAR.fullmatch(value):
+        raise ValueError(f"{value!r} is not an environment variable name")
+    return value
+
+
+def _unit(value: str) -> str:
+    if value.startswith("-") or not _UNIT.fullmatch(value):
+        raise ValueError(f"{value!r} is not a systemd unit name (e.g. sglang.service)")
+    return value
+
+
+def _absolute(value: str) -> str:
+    if "\x00" in value or not PurePosixPath(value).is_absolute():
+        raise ValueError(f"{value!r} must be an absolute path on the host")
+    return value
+
+
+def _url(value: str) -> str:
+    try:
+        url = httpx.URL(value)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"{value!r} is not a URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"{value!r} must be an http:// or https:// URL with a host")
+    if url.userinfo or url.query:
+        # Secrets belong in api_key_env or api_key_file, never in a file people share.
+        raise ValueError("must not carry credentials or a query string; use api_key_env")
+    return str(url).rstrip("/")
+
+
+def _listen(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} must be ADDRESS:PORT with a port from 1 to 65535")
+    _address(host.strip("[]"))
+    return value
+
+
+Name = Annotated[str, AfterValidator(_name)]
+UnitName = Annotated[str, AfterValidator(_unit)]
+HostPath = Annotated[str, AfterValidator(_absolute)]
+EnvVar = Annotated[str, AfterValidator(_env_var)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HostSpec(_Model):
+    transport: Literal["ssh", "local"] = "ssh"
+    address: Annotated[str, AfterValidator(_address)] | None = None
+    port: Port = 22
+    user: Annotated[str, AfterValidator(_user)] | None = None
+    identity_file: Path | None = None
+    known_hosts: Path = Path("~/.ssh/known_hosts")
+    host_key_policy: Literal["reject", "accept-new"] = "reject"
+    connect_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
+    gpus: Annotated[int, Field(ge=0)] = 0
+    gpu_model: str | None = None
+
+    @property
+    def target(self) -> str:
+        """How a person names this host: user@address:port for SSH, 'local' otherwise."""
+        if self.transport == "local":
+            return "local"
+        user = f"{self.user}@" if self.user else ""
+        port = f":{self.port}" if self.port != 22 else ""
+        return f"{user}{self.address}{port}"
+
+
+class SystemdService(_Model):
+    systemd: UnitName
+    scope: Literal["system", "user"] = "system"
+
+
+class CommandService(_Model):
+    command: str | list[str]
+    pidfile: HostPath
+    log: HostPath
+    workdir: HostPath | None = None
+    env: dict[EnvVar, str] = Field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
+
+    @model_validator(mode="after")
+    def _splits(self) -> CommandService:
+        try:
+            argv = self.argv
+        except ValueError as exc:
+            raise ValueError(f"command cannot be split into arguments: {exc}") from None
+        if not argv or not argv[0]:
+            raise ValueError("command must not be empty")
+        return self
+
+
+def _service_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        if "systemd" in value:
+            return "systemd-unit"
+        if "command" in value:
+            return "command-line"
+    elif isinstance(value, SystemdService):
+        return "systemd-unit"
+    elif isinstance(value, CommandService):
+        return "command-line"
+    return None
+
+
+Service = Annotated[
+    Annotated[SystemdService, Tag("systemd-unit")] | Annotated[CommandService, Tag("command-line")],
+    Discriminator(
+        _service_tag,
+        custom_error_type="service_kind",
+        custom_error_message="must have either 'systemd: UNIT' or 'command: ...' "
+        "with 'pidfile' and 'log'",
+    ),
+]
+SERVICE_TAGS = ("systemd-unit", "command-line")
+
+
+class BackendSpec(_Model):
+    kind: str
+    host: Name
+    url: Annotated[str, AfterValidator(_url)] | None = None
+    mode: Literal["http", "command"] | None = None
+    api_key_env: EnvVar | None = None
+    api_key_file: Path | None = None
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    tp_size: Annotated[int, Field(ge=1)] = 1
+    model: str | None = None
+    served_model_name: str | None = None
+    service: Service | None = None
+
+
+class RouterSpec(_Model):
+    kind: Literal["nginx", "sglang-router"]
+    host: Name
+    listen: Annotated[str, AfterValidator(_listen)]
+    serving: Name
+
+
+class ThroughputWorkload(_Model):
+    input_len: Annotated[int, Field(ge=1)] = 1024
+    output_len: Annotated[int, Field(ge=1)] = 256
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8, 32])
+    num_prompts: Annotated[int, Field(ge=1)] = 200
+    request_rate: Annotated[float, Field(gt=0)] | None = None
+    burstiness: Annotated[float, Field(gt=0)] = 1.0
+
+
+class ThroughputSettings(_Model):
+    workload: ThroughputWorkload = ThroughputWorkload()
+    min_ratio: Annotated[float, Field(gt=0)] = 1.0
+    slo_ttft_ms: Annotated[float, Field(gt=0)] | None = None
+    slo_itl_ms: Annotated[float, Field(gt=0)] | None = None
+
+
+class ExactnessSettings(_Model):
+    corpus: Path | None = None
+    max_new_tokens: Annotated[int, Field(ge=1)] = 64
+    mode: Literal["strict", "logprob-close"] = "logprob-close"
+    top_k: Annotated[int, Field(ge=1, le=20)] = 5
+    min_match_rate: Annotated[float, Field(ge=0, le=1)] = 1.0
+    concurrency: Annotated[int, Field(ge=1)] = 4
+
+
+class TpHealthSettings(_Model):
+    min_busbw_gbps: Annotated[float, Field(ge=0)] = 35.0
+    max_small_latency_us: Annotated[float, Field(gt=0)] = 30.0
+    timeout_s: Annotated[float, Field(gt=0)] = 120.0
+
+
+class GateSettings(_Model):
+    throughput: ThroughputSettings = ThroughputSettings()
+    exactness: ExactnessSettings = ExactnessSettings()
+    tp_health: TpHealthSettings = TpHealthSettings()
+
+
+class Inventory(_Model):
+    hosts: dict[Name, HostSpec]
+    backends: dict[Name, BackendSpec] = Field(default_factory=dict)
+    router: RouterSpec | None = None
+    gates: GateSettings = GateSettings()
+    roadmap: Path | None = None
+    state_dir: Path = Path("~/.local/state/kdctl")

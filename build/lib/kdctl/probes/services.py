@@ -1,0 +1,103 @@
+"""Whether an engine's service runs: `systemctl show` for a unit, the pidfile for a command."""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Literal
+
+from pydantic import BaseModel
+
+from kdctl.errors import TransportError
+from kdctl.inventory import CommandService, SystemdService
+from kdctl.transports import Transport
+
+_SYSTEMD_PROPS = "LoadState,ActiveState,SubState,MainPID,ExecMainStartTimestamp,Result"
+
+State = Literal["running", "stopped", "failed", "starting", "unknown"]
+
+
+class ServiceState(BaseModel):
+    kind: Literal["systemd", "command"]
+    name: str
+    state: State
+    pid: int | None = None
+    detail: str | None = None
+
+
+def probe_service(
+    transport: Transport, service: SystemdService | CommandService, *, timeout: float = 10.0
+) -> ServiceState:
+    try:
+        if isinstance(service, SystemdService):
+            return _systemd(transport, service, timeout)
+        return _command(transport, service, timeout)
+    except TransportError as exc:
+        name = service.systemd if isinstance(service, SystemdService) else service.pidfile
+        kind: Literal["systemd", "command"] = (
+            "systemd" if isinstance(service, SystemdService) else "command"
+        )
+        return ServiceState(kind=kind, name=name, state="unknown", detail=str(exc))
+
+
+def _systemd(transport: Transport, service: SystemdService, timeout: float) -> ServiceState:
+    argv = ["systemctl"]
+    if service.scope == "user":
+        argv.append("--user")
+    argv += ["show", f"--property={_SYSTEMD_PROPS}", "--no-pager", "--", service.systemd]
+    result = transport.run(argv, timeout=timeout)
+    name = service.systemd
+    if not result.ok:
+        why = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-1]
+        return ServiceState(kind="systemd", name=name, state="unknown", detail=why)
+    props = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    return parse_systemd_show(name, props)
+
+
+def parse_systemd_show(name: str, props: dict[str, str]) -> ServiceState:
+    if props.get("LoadState") == "not-found":
+        return ServiceState(kind="systemd", name=name, state="unknown", detail="unit not found")
+    active = props.get("ActiveState", "")
+    state: State = {
+        "active": "running",
+        "reloading": "running",
+        "activating": "starting",
+        "inactive": "stopped",
+        "deactivating": "stopped",
+        "failed": "failed",
+    }.get(active, "unknown")  # type: ignore[assignment]
+    pid = int(props.get("MainPID") or 0) or None
+    detail = f"{active}/{props.get('SubState', '?')}"
+    if props.get("Result") not in (None, "", "success"):
+        detail += f", last result {props['Result']}"
+    return ServiceState(kind="systemd", name=name, state=state, pid=pid, detail=detail)
+
+
+def _command(transport: Transport, service: CommandService, timeout: float) -> ServiceState:
+    name = service.pidfile
+    read = transport.run(["cat", "--", service.pidfile], timeout=timeout)
+    if not read.ok:
+        return ServiceState(kind="command", name=name, state="stopped", detail="no pidfile")
+    text = read.stdout.strip()
+    if not text.isdigit():
+        return ServiceState(
+            kind="command", name=name, state="unknown", detail=f"pidfile holds {text[:40]!r}"
+        )
+    pid = int(text)
+    cmdline = transport.run(["cat", "--", f"/proc/{pid}/cmdline"], timeout=timeout)
+    if not cmdline.ok:
+        return ServiceState(
+            kind="command", name=name, state="stopped", pid=pid, detail="stale pidfile"
+        )
+    # A pid outlives its process and gets reused: check it is still the program we started.
+    running = [a for a in cmdline.stdout.split("\x00") if a]
+    wanted = posixpath.basename(service.argv[0])
+    names = {posixpath.basename(a) for a in running[:3]}
+    if running and wanted not in names:
+        return ServiceState(
+            kind="command",
+            name=name,
+            state="stopped",
+            pid=pid,
+            detail=f"stale pidfile: pid {pid} is now {posixpath.basename(running[0])}",
+        )
+    return ServiceState(kind="command", name=name, state="running", pid=pid)

@@ -1,0 +1,114 @@
+"""Rich renderings of kdctl's records: what a person reads; `--json` prints the records."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from kdctl.inventory import LoadedInventory
+from kdctl.status import StatusReport
+
+_STATE_STYLE = {"up": "green", "starting": "yellow", "down": "red", "unknown": "magenta"}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def status_tables(report: StatusReport) -> Group:
+    hosts = Table(title="Hosts", title_justify="left", expand=False)
+    for col in ("host", "target", "reachable", "RTT", "GPUs", "Xids"):
+        hosts.add_column(col)
+    for h in report.hosts:
+        if not h.reachable:
+            hosts.add_row(h.name, h.target, Text("no", "red"), "-", Text(h.error or "", "red"), "-")
+            continue
+        gpus = h.gpus
+        if gpus is None or not gpus.visible:
+            gpu_text = Text(
+                (gpus.error or gpus.note or "") if gpus else "",
+                "yellow" if gpus and gpus.error else "",
+            )
+        else:
+            lines = []
+            for g in gpus.gpus:
+                used, total = (g.memory_used_mib or 0) / 1024, (g.memory_total_mib or 0) / 1024
+                mem = f"{used:.1f}/{total:.1f} GiB"
+                util = "-" if g.utilization_pct is None else f"{g.utilization_pct:.0f}%"
+                lines.append(f"{g.index} {g.name}  {mem}  {util}")
+            for p in gpus.processes:
+                lines.append(f"  pid {p.pid} {p.process_name} on GPU {p.gpu_index}")
+            gpu_text = Text("\n".join(lines))
+        xids = h.xids
+        if xids is None:
+            xid_text = Text("-")
+        elif not xids.readable:
+            xid_text = Text("unreadable", "yellow")
+        elif xids.events:
+            xid_text = Text(", ".join(f"Xid {e.code}" for e in xids.events[-5:]), "red")
+        else:
+            xid_text = Text("none", "green")
+        hosts.add_row(h.name, h.target, Text("yes", "green"), _ms(h.rtt_ms), gpu_text, xid_text)
+
+    backends = Table(title="Backends", title_justify="left")
+    for col in ("backend", "kind", "url", "state", "latency", "model", "TP", "service", "detail"):
+        backends.add_column(col)
+    for b in report.backends:
+        state = Text(b.state, _STATE_STYLE.get(b.state, ""))
+        service = "-"
+        if b.service:
+            service = f"{b.service.state}" + (f" pid {b.service.pid}" if b.service.pid else "")
+        backends.add_row(
+            b.name,
+            b.kind,
+            b.url or "-",
+            state,
+            _ms(b.latency_ms),
+            b.model or "-",
+            str(b.tp_size),
+            service,
+            b.detail or "",
+        )
+
+    t = report.traffic
+    if t.router:
+        traffic = Text(
+            f"Traffic: {t.router} on {t.router_host} ({t.listen}) sends it to {t.serving} "
+            f"(as the inventory declares)"
+        )
+    else:
+        traffic = Text("Traffic: no router in the inventory")
+    return Group(hosts, backends, traffic)
+
+
+def inventory_summary(inv: LoadedInventory) -> Group:
+    hosts = Table(title=f"{inv.path}: valid", title_justify="left")
+    for col in ("host", "transport", "target", "GPUs", "host keys"):
+        hosts.add_column(col)
+    for name, h in inv.hosts.items():
+        gpus = f"{h.gpus} x {h.gpu_model}" if h.gpus and h.gpu_model else str(h.gpus or "-")
+        keys = "-" if h.transport == "local" else f"{h.host_key_policy} ({h.known_hosts})"
+        hosts.add_row(name, h.transport, h.target, gpus, keys)
+    backends = Table()
+    for col in ("backend", "kind", "host", "url", "GPUs", "TP", "service", "API key"):
+        backends.add_column(col)
+    for name, b in inv.backends.items():
+        service = "-"
+        if b.service is not None:
+            service = getattr(b.service, "systemd", None) or f"command ({b.service.pidfile})"  # type: ignore[union-attr]
+        key = (
+            f"${b.api_key_env}"
+            if b.api_key_env
+            else (str(b.api_key_file) if b.api_key_file else "-")
+        )
+        gpus = ",".join(map(str, b.gpus)) or "-"
+        backends.add_row(name, b.kind, b.host, b.url or "-", gpus, str(b.tp_size), service, key)
+    parts: list[Table | Text] = [hosts, backends]
+    r = inv.spec.router
+    if r:
+        parts.append(Text(f"router: {r.kind} on {r.host} at {r.listen}, serving {r.serving}"))
+    parts.append(Text(f"state dir: {inv.state_dir}"))
+    if inv.spec.roadmap:
+        parts.append(Text(f"roadmap: {inv.spec.roadmap}"))
+    return Group(*parts)

@@ -1,0 +1,193 @@
+"""`kdctl status`: what every host and backend looks like right now, read from live probes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import httpx
+from pydantic import BaseModel
+
+from kdctl.backends import probe_health
+from kdctl.backends.health import BackendState
+from kdctl.inventory import BackendSpec, LoadedInventory
+from kdctl.probes import (
+    GpuProbe,
+    ServiceState,
+    XidProbe,
+    probe_gpus,
+    probe_reachability,
+    probe_service,
+    probe_xids,
+)
+from kdctl.transports import TransportPool, fan_out
+
+
+class HostStatus(BaseModel):
+    name: str
+    transport: str
+    target: str
+    reachable: bool
+    connect_ms: float | None = None
+    rtt_ms: float | None = None
+    error: str | None = None
+    gpus: GpuProbe | None = None
+    xids: XidProbe | None = None
+
+
+class BackendStatus(BaseModel):
+    name: str
+    kind: str
+    host: str
+    url: str | None
+    state: BackendState
+    latency_ms: float | None = None
+    http_status: int | None = None
+    detail: str | None = None
+    model: str | None = None
+    tp_size: int
+    service: ServiceState | None = None
+
+
+class TrafficStatus(BaseModel):
+    """Which backend takes traffic, as the inventory declares it."""
+
+    router: str | None = None
+    router_host: str | None = None
+    listen: str | None = None
+    serving: str | None = None
+    weights: dict[str, int] = {}
+    source: str = "inventory"
+
+
+class StatusReport(BaseModel):
+    inventory: str
+    hosts: list[HostStatus]
+    backends: list[BackendStatus]
+    traffic: TrafficStatus
+
+    @property
+    def unreachable(self) -> list[str]:
+        return [h.name for h in self.hosts if not h.reachable]
+
+
+class _HostFacts(BaseModel):
+    host: HostStatus
+    services: dict[str, ServiceState] = {}
+
+
+def _declared(name: str, spec: BackendSpec) -> BackendStatus:
+    """What the inventory says of a backend, before anything answered."""
+    return BackendStatus(
+        name=name,
+        kind=spec.kind,
+        host=spec.host,
+        url=spec.url,
+        state="unknown",
+        model=spec.model,
+        tp_size=spec.tp_size,
+    )
+
+
+def collect_status(
+    inventory: LoadedInventory, *, deadline_s: float = 20.0, max_workers: int = 32
+) -> StatusReport:
+    """Probe every host and backend in parallel; a dead host costs its deadline, no more."""
+    by_host: dict[str, list[str]] = defaultdict(list)
+    for name, backend in inventory.backends.items():
+        if backend.service is not None:
+            by_host[backend.host].append(name)
+
+    with TransportPool(inventory) as pool, httpx.Client() as client:
+
+        def host_probe(name: str) -> _HostFacts:
+            spec = inventory.hosts[name]
+            transport = pool.get(name)
+            reach = probe_reachability(transport, timeout=deadline_s)
+            status = HostStatus(
+                name=name,
+                transport=spec.transport,
+                target=spec.target,
+                **reach.model_dump(),
+            )
+            if not reach.reachable:
+                return _HostFacts(host=status)
+            status.gpus = probe_gpus(transport, timeout=deadline_s)
+            status.xids = probe_xids(transport, timeout=deadline_s)
+            services = {}
+            for backend_name in by_host.get(name, []):
+                service = inventory.backends[backend_name].service
+                assert service is not None
+                services[backend_name] = probe_service(transport, service, timeout=deadline_s)
+            return _HostFacts(host=status, services=services)
+
+        def backend_probe(name: str) -> BackendStatus:
+            spec = inventory.backends[name]
+            base = _declared(name, spec)
+            if spec.url is None:
+                base.detail = "no URL: not a served engine"
+                return base
+            health = probe_health(
+                client, spec.url, api_key=inventory.api_key(name), timeout=min(deadline_s, 10.0)
+            )
+            return base.model_copy(
+                update=health.model_dump(exclude={"status_code"})
+                | {"http_status": health.status_code}
+            )
+
+        # Hosts and backends go out together: a slow engine should not wait behind SSH.
+        jobs = [("host", h) for h in inventory.hosts] + [("backend", b) for b in inventory.backends]
+
+        def probe(job: str) -> _HostFacts | BackendStatus:
+            kind, _, name = job.partition(":")
+            return host_probe(name) if kind == "host" else backend_probe(name)
+
+        outcomes = fan_out(
+            probe, [f"{k}:{n}" for k, n in jobs], max_workers=max_workers, deadline_s=deadline_s
+        )
+
+    hosts: list[HostStatus] = []
+    services: dict[str, ServiceState] = {}
+    for name, host_spec in inventory.hosts.items():
+        out = outcomes[f"host:{name}"]
+        if isinstance(out.value, _HostFacts):
+            hosts.append(out.value.host)
+            services.update(out.value.services)
+        else:
+            why = (
+                f"no answer within {deadline_s:g}s"
+                if out.timed_out
+                else f"probe failed: {out.error}"
+            )
+            hosts.append(
+                HostStatus(
+                    name=name,
+                    transport=host_spec.transport,
+                    target=host_spec.target,
+                    reachable=False,
+                    error=why,
+                )
+            )
+    backends: list[BackendStatus] = []
+    for name, backend_spec in inventory.backends.items():
+        out = outcomes[f"backend:{name}"]
+        if isinstance(out.value, BackendStatus):
+            status = out.value
+        else:
+            status = _declared(name, backend_spec)
+            status.detail = f"no answer within {deadline_s:g}s" if out.timed_out else str(out.error)
+        status.service = services.get(name)
+        backends.append(status)
+
+    router = inventory.spec.router
+    traffic = TrafficStatus()
+    if router is not None:
+        traffic = TrafficStatus(
+            router=router.kind,
+            router_host=router.host,
+            listen=router.listen,
+            serving=router.serving,
+            weights={router.serving: 100},
+        )
+    return StatusReport(
+        inventory=str(inventory.path), hosts=hosts, backends=backends, traffic=traffic
+    )

@@ -1,0 +1,251 @@
+"""SSH through paramiko: one connection per host, reused, with host keys always checked."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import select
+import shlex
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import paramiko
+
+from kdctl.errors import CommandTimeout, HostKeyError, TransportError
+from kdctl.inventory.models import HostSpec
+from kdctl.transports._base import CommandResult, Transport
+
+KEEPALIVE_S = 15
+# The remote `timeout` ends the command itself; the local deadline is a little later so the
+# remote side normally wins and nothing is left running there.
+_REMOTE_GRACE_S = 2.0
+
+
+def known_hosts_name(address: str, port: int) -> str:
+    """The name OpenSSH writes in known_hosts: `[addr]:port` unless the port is 22."""
+    return address if port == 22 else f"[{address}]:{port}"
+
+
+class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """Refuses unknown keys, or with `accept-new` records them, as OpenSSH's option does.
+
+    A key that differs from the recorded one never reaches this policy: paramiko raises
+    BadHostKeyException for it whatever the policy, which is what accept-new means too.
+    """
+
+    def __init__(self, name: str, spec: HostSpec, known_hosts: Path) -> None:
+        self.name = name
+        self.spec = spec
+        self.known_hosts = known_hosts
+
+    def missing_host_key(
+        self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
+    ) -> None:
+        fingerprint = f"{key.get_name()} {key.fingerprint}"
+        if self.spec.host_key_policy != "accept-new":
+            raise HostKeyError(
+                self.name,
+                f"host key of {hostname} is not in {self.known_hosts} ({fingerprint}); "
+                "verify it and add it to known_hosts, or set host_key_policy: accept-new",
+                fingerprint,
+            )
+        self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.known_hosts, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as fh:
+            fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+class SSHTransport(Transport):
+    def __init__(self, name: str, spec: HostSpec, *, known_hosts: Path, identity_file: Path | None):
+        super().__init__(name)
+        if not spec.address:
+            raise TransportError(name, "no address to connect to")
+        self.spec = spec
+        self.known_hosts = known_hosts
+        self.identity_file = identity_file
+        self._client: paramiko.SSHClient | None = None
+        self._pending: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def connect(self) -> None:
+        self._connected()
+
+    def _connected(self) -> paramiko.SSHClient:
+        with self._lock:
+            client = self._client
+            transport = client.get_transport() if client else None
+            if client is not None and transport is not None and transport.is_active():
+                return client
+            self._client = self._open()
+            return self._client
+
+    def _open(self) -> paramiko.SSHClient:
+        spec = self.spec
+        assert spec.address is not None
+        client = paramiko.SSHClient()
+        if self.known_hosts.is_file():
+            try:
+                client.load_host_keys(str(self.known_hosts))
+            except (OSError, paramiko.SSHException) as exc:
+                raise TransportError(self.name, f"cannot read {self.known_hosts}: {exc}") from None
+        client.set_missing_host_key_policy(_HostKeyPolicy(self.name, spec, self.known_hosts))
+        timeout = spec.connect_timeout_s
+        try:
+            sock = self._pending = socket.create_connection(
+                (spec.address, spec.port), timeout=timeout
+            )
+            # Without it, Nagle and delayed ACKs add 40 ms to every small request.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client.connect(
+                spec.address,
+                port=spec.port,
+                username=spec.user,
+                key_filename=str(self.identity_file) if self.identity_file else None,
+                allow_agent=self.identity_file is None,
+                look_for_keys=self.identity_file is None,
+                timeout=timeout,
+                banner_timeout=timeout,
+                auth_timeout=timeout,
+                channel_timeout=timeout,
+                sock=sock,
+            )
+        except HostKeyError:
+            client.close()
+            raise
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            got = f"{exc.key.get_name()} {exc.key.fingerprint}"
+            want = f"{exc.expected_key.get_name()} {exc.expected_key.fingerprint}"
+            raise HostKeyError(
+                self.name,
+                f"HOST KEY CHANGED for {exc.hostname}: it presented {got}, {self.known_hosts} "
+                f"has {want}. Refusing to connect: this can be an attack; if the host was "
+                "reinstalled, remove the old line from known_hosts",
+                got,
+            ) from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            raise TransportError(
+                self.name, f"authentication failed for {spec.target}: {exc}"
+            ) from None
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            client.close()
+            reason = str(exc) or type(exc).__name__
+            raise TransportError(self.name, f"cannot connect to {spec.target}: {reason}") from None
+        finally:
+            self._pending = None
+        transport = client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(KEEPALIVE_S)
+        return client
+
+    def run(
+        self, argv: Sequence[str], *, timeout: float = 30.0, stdin: bytes | None = None
+    ) -> CommandResult:
+        args = tuple(argv)
+        if not args:
+            raise TransportError(self.name, "empty command")
+        client = self._connected()
+        # The remote side is a shell: every argument is quoted, so it arrives as one literal.
+        command = f"timeout -k 1 {timeout:g} {shlex.join(args)}"
+        started = time.monotonic()
+        deadline = started + timeout + _REMOTE_GRACE_S
+        try:
+            transport = client.get_transport()
+            if transport is None:
+                raise TransportError(self.name, "connection closed")
+            chan = transport.open_session(timeout=self.spec.connect_timeout_s)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            with self._lock:
+                self._client = None
+            raise TransportError(self.name, f"cannot open a session: {exc}") from None
+        out, err = bytearray(), bytearray()
+        try:
+            chan.exec_command(command)
+            if stdin is not None:
+                chan.sendall(stdin)
+            chan.shutdown_write()
+            while True:
+                while chan.recv_ready():
+                    out += chan.recv(65536)
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                if (
+                    chan.exit_status_ready()
+                    and not chan.recv_ready()
+                    and not chan.recv_stderr_ready()
+                ):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommandTimeout(self.name, args, timeout)
+                select.select([chan], [], [], min(remaining, 1.0))
+            code = chan.recv_exit_status()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise TransportError(self.name, f"{args[0]} failed in transit: {exc}") from None
+        finally:
+            chan.close()
+        if code == 124:
+            raise CommandTimeout(self.name, args, timeout)
+        return CommandResult(
+            self.name,
+            args,
+            code,
+            out.decode(errors="replace"),
+            err.decode(errors="replace"),
+            time.monotonic() - started,
+        )
+
+    def _sftp(self) -> paramiko.SFTPClient:
+        try:
+            return self._connected().open_sftp()
+        except (paramiko.SSHException, OSError) as exc:
+            raise TransportError(self.name, f"cannot open SFTP: {exc}") from None
+
+    def put(self, local: Path, remote: str, *, mode: int | None = None) -> None:
+        tmp = posixpath.join(
+            posixpath.dirname(remote), f".{posixpath.basename(remote)}.{uuid.uuid4().hex[:8]}"
+        )
+        sftp = self._sftp()
+        try:
+            sftp.put(str(local), tmp)
+            if mode is not None:
+                sftp.chmod(tmp, mode)
+            sftp.posix_rename(tmp, remote)
+        except (OSError, paramiko.SSHException) as exc:
+            with contextlib.suppress(OSError, paramiko.SSHException):
+                sftp.remove(tmp)
+            raise TransportError(self.name, f"cannot write {remote}: {exc}") from None
+        finally:
+            sftp.close()
+
+    def get(self, remote: str, local: Path) -> None:
+        sftp = self._sftp()
+        try:
+            sftp.get(remote, str(local))
+        except (OSError, paramiko.SSHException) as exc:
+            raise TransportError(self.name, f"cannot read {remote}: {exc}") from None
+        finally:
+            sftp.close()
+
+    def close(self) -> None:
+        pending = self._pending
+        if pending is not None:
+            # A connect still in progress holds the lock; closing its socket ends it now
+            # instead of after its timeout, so giving up on a hung host costs nothing more.
+            with contextlib.suppress(OSError):
+                pending.close()
+        if not self._lock.acquire(timeout=0 if pending is not None else 5):
+            return
+        try:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+        finally:
+            self._lock.release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,7 +25,11 @@ app = typer.Typer(
 inventory_app = typer.Typer(help="Validate and summarise the inventory.", no_args_is_help=True)
 app.add_typer(inventory_app, name="inventory")
 
-out = Console(highlight=False)
+# Piped output (CI logs, `| less`) gets full-width tables instead of rich's 80 columns.
+out = Console(
+    highlight=False,
+    width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200),
+)
 
 InventoryOpt = Annotated[
     Path | None,

@@ -1,0 +1,21 @@
+VENV ?= .venv
+export VENV
+
+.PHONY: demo test lint bench bootstrap
+
+bootstrap:
+	@scripts/bootstrap
+
+demo: bootstrap
+	@scripts/demo
+
+test: bootstrap
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	scripts/typecheck
+
+bench: bootstrap
+	$(VENV)/bin/python benchmarks/status_fanout.py

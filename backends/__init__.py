@@ -4,6 +4,14 @@ Kinds: `sglang`, `openai`, `native` and `reference` (DESIGN.md section 4). Other
 add kinds through the `kdctl.backends` entry-point group.
 """
 
+from kdctl.backends._types import (
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    StreamChunk,
+    TokenLogprob,
+)
 from kdctl.backends.health import HealthResult, probe_health
 
 __all__ = ["HealthResult", "probe_health"]

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,3 +86,101 @@ def fleet() -> Iterator[SshdFleet]:
 def need_nginx() -> str:
     _need("/usr/sbin/nginx", "nginx (apt-get install nginx)")
     return shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def wait_http(url: str, *, timeout: float = 120.0, want: int = 200) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == want:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer {want} within {timeout}s (last: {last})")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny models, made once through the real CLI: deepseek_v3 and its W4A16 variant."""
+    pytest.importorskip("torch")
+    root = tmp_path_factory.mktemp("models")
+    made = {"dsv3": root / "tiny-deepseek-v3", "dsv3-int4": root / "tiny-deepseek-v3-w4a16"}
+    for args in (
+        ["--arch", "deepseek_v3", "--out", str(made["dsv3"])],
+        [
+            "--arch",
+            "deepseek_v3",
+            "--from",
+            str(made["dsv3"]),
+            "--quantize",
+            "w4a16",
+            "--group-size",
+            "16",
+            "--out",
+            str(made["dsv3-int4"]),
+        ],
+    ):
+        run = kdctl("reference", "make-model", *args)
+        assert run.code == 0, run.err
+    return made
+
+
+@dataclass
+class Served:
+    url: str
+    model: Path
+    api_key: str | None
+    proc: subprocess.Popen[bytes]
+
+
+def serve_reference(model: Path, *, api_key: str | None = None) -> Served:
+    from tests.support.sshd import free_port
+
+    port = free_port()
+    env = {**os.environ}
+    args = [
+        sys.executable,
+        "-m",
+        "kdctl",
+        "reference",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        model.name,
+    ]
+    if api_key:
+        env["KDCTL_TEST_SERVE_KEY"] = api_key
+        args += ["--api-key-env", "KDCTL_TEST_SERVE_KEY"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health")
+    except RuntimeError:
+        proc.kill()
+        raise
+    return Served(url, model, api_key, proc)
+
+
+@pytest.fixture(scope="session")
+def reference_server(models: dict[str, Path]) -> Iterator[Served]:
+    served = serve_reference(models["dsv3"])
+    yield served
+    served.proc.terminate()
+    served.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def keyed_server(models: dict[str, Path]) -> Iterator[Served]:
+    served = serve_reference(models["dsv3-int4"], api_key="sk-test-7f1e")
+    yield served
+    served.proc.terminate()
+    served.proc.wait(10)

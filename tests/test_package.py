@@ -56,6 +56,7 @@ def test_wheel_layout(wheel: Path) -> None:
         "paramiko",
         "jinja2",
         "pyyaml",
+        "prometheus-client",
     }
 
 

@@ -1,0 +1,115 @@
+"""The Backend interface and the registry of kinds."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+import httpx
+from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult, StreamChunk
+from kdctl.backends.health import HealthResult
+from pydantic import SecretStr
+
+from kdctl.errors import InputError
+from kdctl.inventory import BackendSpec
+
+
+class Backend(abc.ABC):
+    """One engine, whatever its kind: health, identity, generation, metrics."""
+
+    kind: ClassVar[str]
+
+    def __init__(
+        self,
+        name: str,
+        spec: BackendSpec,
+        *,
+        api_key: SecretStr | None = None,
+        timeout: float = 60.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.api_key = api_key
+        self.timeout = timeout
+
+    @property
+    def where(self) -> str:
+        return self.spec.url or self.name
+
+    @abc.abstractmethod
+    def health(self) -> HealthResult: ...
+
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    def generate(self, req: GenerateRequest) -> GenerateResult: ...
+
+    def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
+        """Stream a generation; engines without streaming yield the whole result as one chunk."""
+        import time
+
+        result = self.generate(req)
+        yield StreamChunk(
+            received_at=time.perf_counter(),
+            output_ids=result.output_ids,
+            text=result.text,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        """Prometheus metric families by name; empty where the engine exports none."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing open
+        pass
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _builtin() -> dict[str, type[Backend]]:
+    from kdctl.backends.native import NativeBackend
+    from kdctl.backends.openai import OpenAIBackend
+    from kdctl.backends.sglang import SGLangBackend
+
+    kinds: dict[str, type[Backend]] = {
+        "sglang": SGLangBackend,
+        "openai": OpenAIBackend,
+        "native": NativeBackend,
+    }
+    try:
+        from kdctl.backends.reference.backend import ReferenceBackend
+    except ImportError:  # torch is an extra; the kind is known, its class needs the extra
+        pass
+    else:
+        kinds["reference"] = ReferenceBackend
+    return kinds
+
+
+def backend_class(kind: str) -> type[Backend]:
+    """The class for a kind: built in, or registered under the `kdctl.backends` entry points."""
+    kinds = _builtin()
+    if kind in kinds:
+        return kinds[kind]
+    for ep in entry_points(group="kdctl.backends"):
+        if ep.name == kind:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, Backend)):
+                raise InputError(f"entry point kdctl.backends:{kind} is not a Backend class")
+            return cls
+    if kind == "reference":
+        raise InputError("the reference backend needs the extra: pip install 'kdctl[reference]'")
+    raise InputError(f"unknown backend kind {kind!r}")
+
+
+def make_backend(name: str, spec: BackendSpec, **kwargs: Any) -> Backend:
+    return backend_class(spec.kind)(name, spec, **kwargs)

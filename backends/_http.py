@@ -1,0 +1,123 @@
+"""The HTTP plumbing every served backend shares: one client, typed errors, SSE reading."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from kdctl.backends.errors import (
+    BackendAuthError,
+    BackendError,
+    BackendHTTPError,
+    BackendNotReady,
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+)
+from pydantic import SecretStr
+
+
+class HttpSession:
+    def __init__(
+        self,
+        backend: str,
+        base_url: str,
+        *,
+        api_key: SecretStr | None = None,
+        timeout: float = 60.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.backend = backend
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+        self._headers = headers
+        self._client = client or httpx.Client(timeout=timeout)
+        self._owns_client = client is None
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
+    def _fail(self, path: str, exc: Exception) -> BackendError:
+        url = self.url(path)
+        if isinstance(exc, httpx.ConnectError):
+            return BackendUnavailable(self.backend, url, "connection refused or host unreachable")
+        if isinstance(exc, httpx.TimeoutException):
+            return BackendTimeout(self.backend, url, f"no answer within {self.timeout:g}s")
+        return BackendProtocolError(self.backend, url, f"{type(exc).__name__}: {exc}")
+
+    def _check(self, path: str, resp: httpx.Response) -> None:
+        if resp.status_code < 400:
+            return
+        url = self.url(path)
+        try:
+            resp.read()
+            body = resp.text[:300]
+        except httpx.HTTPError:
+            body = ""
+        if resp.status_code in (401, 403):
+            raise BackendAuthError(
+                self.backend, url, f"authentication failed (HTTP {resp.status_code})"
+            )
+        if resp.status_code == 503:
+            raise BackendNotReady(self.backend, url, f"not ready yet (HTTP 503) {body}".strip())
+        raise BackendHTTPError(self.backend, url, resp.status_code, body)
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        try:
+            resp = self._client.request(
+                method, self.url(path), json=body, headers=self._headers, timeout=self.timeout
+            )
+        except httpx.HTTPError as exc:
+            raise self._fail(path, exc) from None
+        self._check(path, resp)
+        return resp
+
+    def json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        resp = self.request(method, path, body)
+        try:
+            return resp.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BackendProtocolError(
+                self.backend, self.url(path), f"answer is not JSON: {resp.text[:120]!r}"
+            ) from None
+
+    def events(self, path: str, body: dict[str, Any]) -> Iterator[tuple[float, Any]]:
+        """POST and read server-sent events: (arrival time, parsed JSON) until `[DONE]`.
+
+        A stream that ends without `[DONE]` was cut off, and says so.
+        """
+        url = self.url(path)
+        try:
+            with self._client.stream(
+                "POST", url, json=body, headers=self._headers, timeout=self.timeout
+            ) as resp:
+                self._check(path, resp)
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    now = time.perf_counter()
+                    if payload == "[DONE]":
+                        return
+                    try:
+                        data = json.loads(payload)
+                    except json.JSONDecodeError:
+                        raise BackendProtocolError(
+                            self.backend, url, f"stream event is not JSON: {payload[:120]!r}"
+                        ) from None
+                    if isinstance(data, dict) and "error" in data and len(data) == 1:
+                        err = data["error"]
+                        msg = err.get("message") if isinstance(err, dict) else err
+                        raise BackendHTTPError(self.backend, url, 500, f"error in stream: {msg}")
+                    yield now, data
+        except httpx.HTTPError as exc:
+            raise self._fail(path, exc) from None
+        raise BackendProtocolError(self.backend, url, "the stream ended without [DONE]")

@@ -1,0 +1,68 @@
+"""The records every backend speaks: a generate request, its result, a stream chunk, info."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+FinishReason = Literal["length", "stop", "abort"]
+
+
+class GenerateRequest(BaseModel):
+    """One generation. `temperature == 0` is greedy; a seed makes sampling repeatable."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        return self
+
+
+class TokenLogprob(BaseModel):
+    """An output token's logprob and the top-k alternatives at its position, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class GenerateResult(BaseModel):
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    matched_stop: int | str | None = None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
+
+
+class StreamChunk(BaseModel):
+    """A piece of a streamed generation with the time it arrived (time.perf_counter())."""
+
+    received_at: float
+    output_ids: list[int] = Field(default_factory=list)  # new in this chunk
+    text: str = ""  # new in this chunk
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class EngineInfo(BaseModel):
+    model: str | None = None
+    served_name: str | None = None
+    version: str | None = None
+    tp_size: int | None = None
+    context_length: int | None = None

@@ -1,0 +1,190 @@
+"""Any OpenAI-compatible server (vLLM, TensorRT-LLM, SGLang's /v1 routes)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from kdctl.backends._base import Backend
+from kdctl.backends._http import HttpSession
+from kdctl.backends._types import (
+    EngineInfo,
+    GenerateRequest,
+    GenerateResult,
+    StreamChunk,
+    TokenLogprob,
+)
+from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
+from kdctl.backends.health import HealthResult, probe_health
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+
+from kdctl.inventory import BackendSpec
+
+_TOKEN_ID = re.compile(r"^token_id:(\d+)$")
+
+
+class OpenAIBackend(Backend):
+    kind = "openai"
+
+    def __init__(
+        self,
+        name: str,
+        spec: BackendSpec,
+        *,
+        api_key: SecretStr | None = None,
+        timeout: float = 60.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(name, spec, api_key=api_key, timeout=timeout)
+        if not spec.url:
+            raise ValueError(f"backend {name} has no url")
+        self.http = HttpSession(name, spec.url, api_key=api_key, timeout=timeout, client=client)
+        self._model: str | None = spec.served_model_name
+
+    def close(self) -> None:
+        self.http.close()
+
+    def health(self) -> HealthResult:
+        return probe_health(self.http._client, self.http.base_url, api_key=self.api_key)
+
+    def _card(self) -> dict[str, Any]:
+        data = self.http.json("GET", "/v1/models")
+        cards = data.get("data") if isinstance(data, dict) else None
+        if not cards or not isinstance(cards[0], dict):
+            raise BackendProtocolError(self.name, self.http.url("/v1/models"), "no model listed")
+        card: dict[str, Any] = cards[0]
+        return card
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = str(self._card()["id"])
+        return self._model
+
+    def info(self) -> EngineInfo:
+        card = self._card()
+        version = None
+        try:
+            answer = self.http.json("GET", "/version")  # vLLM's; others may not have it
+            version = answer.get("version") if isinstance(answer, dict) else None
+        except BackendHTTPError:
+            pass
+        return EngineInfo(
+            model=card.get("root") or card.get("id"),
+            served_name=card.get("id"),
+            version=version,
+            tp_size=self.spec.tp_size,
+            context_length=card.get("max_model_len"),
+        )
+
+    def _body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": req.input_ids if req.input_ids is not None else req.text,
+            "max_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            # At least one logprob: it is how the token ids of the output come back.
+            "logprobs": max(req.top_logprobs, 1),
+            "stream": stream,
+            # vLLM's extensions, which SGLang's /v1 also takes: ids instead of token strings.
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        }
+        if req.top_k > 0:
+            body["top_k"] = req.top_k
+        if req.ignore_eos:
+            body["ignore_eos"] = True
+        if req.stop:
+            body["stop"] = req.stop
+        if req.stop_token_ids:
+            body["stop_token_ids"] = req.stop_token_ids
+        if req.seed is not None:
+            body["seed"] = req.seed
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _logprobs(self, choice: dict[str, Any], k: int) -> list[TokenLogprob]:
+        lp = choice.get("logprobs") or {}
+        tokens = lp.get("tokens") or []
+        values = lp.get("token_logprobs") or []
+        tops = lp.get("top_logprobs") or [None] * len(tokens)
+        ids = choice.get("token_ids") or lp.get("token_ids")
+        out = []
+        for i, (tok, value, top) in enumerate(zip(tokens, values, tops, strict=False)):
+            token_id = int(ids[i]) if ids and i < len(ids) else _token_id(tok)
+            ranked = sorted(
+                ((_token_id(t), float(v)) for t, v in (top or {}).items()), key=lambda p: -p[1]
+            )
+            out.append(
+                TokenLogprob(token_id=token_id, logprob=float(value), top=ranked[:k] if k else [])
+            )
+        return out
+
+    def generate(self, req: GenerateRequest) -> GenerateResult:
+        url = self.http.url("/v1/completions")
+        data = self.http.json("POST", "/v1/completions", self._body(req, stream=False))
+        try:
+            choice = data["choices"][0]
+            usage = data.get("usage") or {}
+            logprobs = self._logprobs(choice, req.top_logprobs)
+            ids = [int(i) for i in choice.get("token_ids") or [t.token_id for t in logprobs]]
+            reason = choice.get("finish_reason") or "length"
+            return GenerateResult(
+                output_ids=ids,
+                text=choice.get("text") or "",
+                finish_reason=reason if reason in ("length", "stop") else "abort",
+                matched_stop=choice.get("stop_reason", choice.get("matched_stop")),
+                prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                completion_tokens=int(usage.get("completion_tokens") or len(ids)),
+                logprobs=logprobs,
+            )
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            raise BackendProtocolError(self.name, url, f"malformed answer: {exc}") from None
+
+    def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
+        for at, data in self.http.events("/v1/completions", self._body(req, stream=True)):
+            choices = data.get("choices") if isinstance(data, dict) else None
+            usage = data.get("usage") if isinstance(data, dict) else None
+            if not choices:
+                if usage:
+                    yield StreamChunk(
+                        received_at=at,
+                        prompt_tokens=usage.get("prompt_tokens"),
+                        completion_tokens=usage.get("completion_tokens"),
+                    )
+                continue
+            choice = choices[0]
+            ids = choice.get("token_ids") or [t.token_id for t in self._logprobs(choice, 0)]
+            reason = choice.get("finish_reason")
+            yield StreamChunk(
+                received_at=at,
+                output_ids=[int(i) for i in ids],
+                text=choice.get("text") or "",
+                finish_reason=(reason if reason in ("length", "stop") else "abort")
+                if reason
+                else None,
+            )
+
+    def metrics(self) -> dict[str, Any]:
+        try:
+            text = self.http.request("GET", "/metrics").text
+        except BackendHTTPError as exc:
+            if exc.status == 404:
+                return {}
+            raise
+        try:
+            return {f.name: f for f in text_string_to_metric_families(text)}
+        except ValueError as exc:
+            raise BackendProtocolError(self.name, self.http.url("/metrics"), str(exc)) from None
+
+
+def _token_id(token: str) -> int:
+    match = _TOKEN_ID.match(token)
+    if not match:
+        raise ValueError(f"token {token!r} is not token_id:N (return_tokens_as_token_ids)")
+    return int(match.group(1))

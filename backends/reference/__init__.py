@@ -1,0 +1,1 @@
+"""The reference backend: a Hugging Face model in-process (needs the `reference` extra)."""

@@ -1,0 +1,139 @@
+"""The reference engine: a transformers causal LM run in-process with torch, in fp32.
+
+Decoding is a plain loop over the model's forward pass with its KV cache, so every output
+token's logprob comes from the same logits that chose it. Greedy is argmax; sampling draws from
+a torch.Generator seeded per request, so a seed repeats exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kdctl.backends._types import GenerateRequest, GenerateResult, TokenLogprob
+
+from kdctl.errors import InputError
+
+
+class ReferenceEngine:
+    def __init__(self, model_dir: Path, *, device: str = "cpu", dtype: str = "float32") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not (model_dir / "config.json").is_file():
+            raise InputError(f"{model_dir}: not a model folder (no config.json)")
+        self.model_dir = model_dir
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        self.model.to(self.device).eval()
+        self.config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+        self.eos_ids = {self.tokenizer.eos_token_id} - {None}
+        self.context_length = int(self.config.get("max_position_embeddings") or 2048)
+        # One generation at a time: the model is shared and correctness beats speed here.
+        self.lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def generate(self, req: GenerateRequest) -> GenerateResult:
+        result: GenerateResult | None = None
+        for result, _ in self.steps(req):
+            pass
+        assert result is not None
+        return result
+
+    def steps(self, req: GenerateRequest) -> Iterator[tuple[GenerateResult, bool]]:
+        """Yield the cumulative result after every token, and whether it is the last."""
+        import torch
+
+        prompt = req.input_ids if req.input_ids is not None else self.encode(req.text or "")
+        if not prompt:
+            raise InputError("the prompt is empty")
+        if len(prompt) + req.max_new_tokens > self.context_length:
+            raise InputError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"the context length {self.context_length}"
+            )
+        vocab = int(self.config.get("vocab_size") or 0)
+        if vocab and any(not 0 <= t < vocab for t in prompt):
+            raise InputError(f"input_ids must be in [0, {vocab})")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(req.seed if req.seed is not None else 0)
+        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+        out: list[int] = []
+        lps: list[TokenLogprob] = []
+        with self.lock, torch.no_grad():
+            ids = torch.tensor([prompt], device=self.device)
+            past = None
+            for _ in range(req.max_new_tokens):
+                step = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = step.past_key_values
+                logits = step.logits[0, -1].float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                token = self._choose(logits, req, gen)
+                top = []
+                if req.top_logprobs:
+                    vals, idx = torch.topk(logprobs, req.top_logprobs)
+                    top = [(int(i), float(v)) for v, i in zip(vals, idx, strict=True)]
+                out.append(token)
+                lps.append(TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top))
+                ids = torch.tensor([[token]], device=self.device)
+                finish, matched = self._finished(out, req, stops)
+                text = self.decode(out)
+                if finish == "stop" and isinstance(matched, str):
+                    text = text[: text.index(matched)]
+                yield (
+                    GenerateResult(
+                        output_ids=list(out),
+                        text=text,
+                        finish_reason=finish or "length",
+                        matched_stop=matched,
+                        prompt_tokens=len(prompt),
+                        completion_tokens=len(out),
+                        logprobs=list(lps),
+                    ),
+                    finish is not None,
+                )
+                if finish:
+                    return
+
+    def _choose(self, logits: Any, req: GenerateRequest, gen: Any) -> int:
+        import torch
+
+        if req.temperature == 0:
+            return int(torch.argmax(logits))
+        scaled = logits / req.temperature
+        if req.top_k > 0:
+            kth = torch.topk(scaled, min(req.top_k, scaled.numel())).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if req.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < req.top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[order[keep]] = True
+            probs = probs * mask
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    def _finished(
+        self, out: list[int], req: GenerateRequest, stops: set[int]
+    ) -> tuple[str | None, int | str | None]:
+        if out[-1] in stops:
+            return "stop", out[-1]
+        if req.stop:
+            text = self.decode(out)
+            for s in req.stop:
+                if s and s in text:
+                    return "stop", s
+        if len(out) >= req.max_new_tokens:
+            return "length", None
+        return None, None

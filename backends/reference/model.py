@@ -1,0 +1,239 @@
+"""Tiny models made here, from a fixed seed, with no download: the exactness oracle's subjects.
+
+`deepseek_v3` is Kimi K2's architecture (MLA attention, routed and shared experts); `llama` is
+what vLLM's CPU build loads. A short training run on local text makes the next-token
+distributions peaked like a real model's: with random weights every position is a near-tie and
+an exactness gate would prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kdctl.errors import InputError
+
+Arch = Literal["deepseek_v3", "llama"]
+VOCAB_SIZE = 2048
+SEED = 0
+# Fixed modules of the running interpreter's standard library: local text with structure to
+# learn. The model is a function of these bytes, so it can differ between Python versions.
+CORPUS_MODULES = (
+    "argparse.py",
+    "dataclasses.py",
+    "functools.py",
+    "shlex.py",
+    "textwrap.py",
+    "string.py",
+    "csv.py",
+    "heapq.py",
+    "bisect.py",
+    "json/encoder.py",
+    "json/decoder.py",
+    "enum.py",
+)
+QUANTIZATION_KEY = "kdctl_quantization"
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    out: Path
+    arch: str
+    parameters: int
+    train_steps: int
+    final_loss: float | None
+    quantization: dict[str, Any] | None
+
+
+def corpus_text() -> str:
+    stdlib = Path(sys.modules["os"].__file__ or "").parent
+    parts = []
+    for name in CORPUS_MODULES:
+        path = stdlib / name
+        if path.is_file():
+            parts.append(path.read_text(encoding="utf-8"))
+    if not parts:
+        raise InputError(f"no standard-library sources found under {stdlib} to train on")
+    return "\n".join(parts)
+
+
+def _config(arch: Arch) -> Any:
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            max_position_embeddings=1024,
+            rope_scaling=None,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    raise InputError(f"--arch: unknown architecture {arch!r} (known: deepseek_v3, llama)")
+
+
+def _tokenizer(text: str) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def quantize_w4a16(model: Any, group_size: int) -> dict[str, Any]:
+    """Symmetric per-group INT4 on every expert and MLP weight, then back to float.
+
+    The candidate serves these dequantized weights, so a kernel that implements W4A16
+    correctly should match it token for token; the router and attention stay full precision.
+    """
+    import torch
+
+    names = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." not in name or param.dim() < 2 or name.endswith("mlp.gate.weight"):
+                continue
+            *lead, cols = param.shape
+            if cols % group_size:
+                raise InputError(
+                    f"--group-size {group_size} does not divide {name}'s {cols} input columns"
+                )
+            w = param.data.reshape(*lead, cols // group_size, group_size)
+            scale = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 7.0
+            q = torch.clamp(torch.round(w / scale), -8, 7)
+            param.data.copy_((q * scale).reshape(param.shape))
+            names.append(name)
+    return {
+        "method": "w4a16",
+        "bits": 4,
+        "group_size": group_size,
+        "symmetric": True,
+        "weights": names,
+    }
+
+
+def make_model(
+    arch: Arch,
+    out: Path,
+    *,
+    train_steps: int = 300,
+    quantize: Literal["w4a16"] | None = None,
+    group_size: int = 32,
+    from_model: Path | None = None,
+) -> ModelReport:
+    """Write a tiny model and its tokenizer to `out`; the same arguments give the same bytes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if train_steps < 0:
+        raise InputError("--train-steps must be >= 0")
+    if group_size < 1:
+        raise InputError("--group-size must be >= 1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same reduction order, the same bits, every time
+    try:
+        torch.manual_seed(SEED)
+        if from_model is not None:
+            model = AutoModelForCausalLM.from_pretrained(from_model, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(from_model)
+            loss = None
+            steps = 0
+        else:
+            text = corpus_text()
+            tokenizer = _tokenizer(text)
+            model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+            loss = _train(model, tokenizer(text)["input_ids"], train_steps)
+            steps = train_steps
+        quant = quantize_w4a16(model, group_size) if quantize == "w4a16" else None
+        if quant is not None:
+            model.config.update({QUANTIZATION_KEY: quant})
+        model.generation_config.do_sample = False
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        (out / "kdctl-model.json").write_text(
+            json.dumps(
+                {
+                    "arch": arch,
+                    "seed": SEED,
+                    "train_steps": steps,
+                    "final_loss": loss,
+                    "quantization": quant,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        params = sum(p.numel() for p in model.parameters())
+    finally:
+        torch.set_num_threads(threads)
+    return ModelReport(out, arch, params, steps, loss, quant)
+
+
+def _train(model: Any, ids: list[int], steps: int) -> float | None:
+    import torch
+
+    if steps == 0:
+        return None
+    data = torch.tensor(ids, dtype=torch.long)
+    seq, batch = 64, 16
+    gen = torch.Generator().manual_seed(SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    loss_value = float("nan")
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([data[s : s + seq] for s in starts.tolist()])
+        out = model(input_ids=x, labels=x)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        loss_value = float(out.loss)
+    model.eval()
+    return round(loss_value, 4)

@@ -1,0 +1,521 @@
+"""The reference server: the reference engine behind SGLang's HTTP API.
+
+Native routes (`/generate`, `/health`, `/model_info`, `/server_info` and their older names)
+and OpenAI routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`), streaming as
+SGLang streams, an API key checked as SGLang checks it, and 503 until the model is loaded.
+It is what the sandbox and the tests run as a local engine; it makes no claim to be fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kdctl.backends._types import GenerateRequest, GenerateResult
+from kdctl.backends.reference.engine import ReferenceEngine
+from pydantic import ValidationError
+
+from kdctl import __version__
+from kdctl.errors import InputError
+
+VERSION = f"kdctl-reference {__version__}"
+
+
+class _State:
+    def __init__(self, model_dir: Path, served_name: str, device: str, dtype: str) -> None:
+        self.model_dir = model_dir
+        self.served_name = served_name
+        self.device = device
+        self.dtype = dtype
+        self.engine: ReferenceEngine | None = None
+        self.load_error: str | None = None
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "running": 0}
+        self.ttft: list[float] = []
+        self.lock = threading.Lock()
+
+    def load(self) -> None:
+        try:
+            self.engine = ReferenceEngine(self.model_dir, device=self.device, dtype=self.dtype)
+        except Exception as exc:  # reported on /health, the server keeps answering
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+
+def create_app(
+    model_dir: Path,
+    *,
+    served_name: str | None = None,
+    api_key: str | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    load_delay_s: float = 0.0,
+) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    state = _State(model_dir, served_name or str(model_dir), device, dtype)
+
+    def _load() -> None:
+        time.sleep(load_delay_s)
+        state.load()
+
+    threading.Thread(target=_load, name="kdctl-reference-load", daemon=True).start()
+
+    def error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+        return JSONResponse(
+            {"object": "error", "message": message, "type": kind, "code": status}, status
+        )
+
+    def engine_or_503() -> ReferenceEngine | JSONResponse:
+        if state.engine is None:
+            msg = state.load_error or "the model is still loading"
+            return error(503, msg, "ServiceUnavailable")
+        return state.engine
+
+    async def body(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the body is not JSON")
+        if not isinstance(data, dict):
+            return error(400, "the body must be a JSON object")
+        return data
+
+    def account(result: GenerateResult) -> None:
+        with state.lock:
+            state.counters["requests"] += 1
+            state.counters["prompt_tokens"] += result.prompt_tokens
+            state.counters["generation_tokens"] += result.completion_tokens
+
+    def run(engine: ReferenceEngine, req: GenerateRequest) -> Iterator[tuple[GenerateResult, bool]]:
+        started = time.perf_counter()
+        first = True
+        last = None
+        with state.lock:
+            state.counters["running"] += 1
+        try:
+            for last, done in engine.steps(req):
+                if first:
+                    with state.lock:
+                        state.ttft.append(time.perf_counter() - started)
+                    first = False
+                yield last, done
+        finally:
+            with state.lock:
+                state.counters["running"] -= 1
+            if last is not None:
+                account(last)
+
+    async def health(request: Request) -> Response:
+        got = engine_or_503()
+        if isinstance(got, JSONResponse):
+            return got
+        if request.url.path == "/health_generate":
+            req = GenerateRequest(input_ids=[0], max_new_tokens=1)
+            await _in_thread(lambda: got.generate(req))
+        return Response(status_code=200)
+
+    async def model_info(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": str(model_dir),
+                "tokenizer_path": str(model_dir),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
+    async def server_info(request: Request) -> Response:
+        ctx = state.engine.context_length if state.engine else None
+        return JSONResponse(
+            {
+                "model_path": str(model_dir),
+                "served_model_name": state.served_name,
+                "tp_size": 1,
+                "dp_size": 1,
+                "context_length": ctx,
+                "max_req_input_len": ctx,
+                "device": device,
+                "dtype": dtype,
+                "quantization": _quantization(model_dir),
+                "version": VERSION,
+                "internal_states": [{}],
+            }
+        )
+
+    async def generate(request: Request) -> Response:
+        data = await body(request)
+        if isinstance(data, JSONResponse):
+            return data
+        got = engine_or_503()
+        if isinstance(got, JSONResponse):
+            return got
+        sp = data.get("sampling_params") or {}
+        try:
+            req = GenerateRequest(
+                text=data.get("text"),
+                input_ids=data.get("input_ids"),
+                max_new_tokens=sp.get("max_new_tokens", 128),
+                temperature=sp.get("temperature", 1.0),
+                top_p=sp.get("top_p", 1.0),
+                top_k=sp.get("top_k", -1),
+                seed=sp.get("sampling_seed"),
+                stop=_listify(sp.get("stop")),
+                stop_token_ids=sp.get("stop_token_ids") or [],
+                ignore_eos=bool(sp.get("ignore_eos", False)),
+                top_logprobs=int(data.get("top_logprobs_num") or 0),
+            )
+            _check(got, req)
+        except (ValidationError, InputError, TypeError, ValueError) as exc:
+            return error(400, _message(exc))
+        rid = str(data.get("rid") or uuid.uuid4().hex)
+        want_lp = bool(data.get("return_logprob"))
+        started = time.perf_counter()
+
+        def native(result: GenerateResult, done: bool) -> dict[str, Any]:
+            meta: dict[str, Any] = {
+                "id": rid,
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "cached_tokens": 0,
+                "finish_reason": _finish(result) if done else None,
+            }
+            if done:
+                meta["e2e_latency"] = time.perf_counter() - started
+            if want_lp:
+                meta["output_token_logprobs"] = [
+                    [t.logprob, t.token_id, None] for t in result.logprobs
+                ]
+                if req.top_logprobs:
+                    meta["output_top_logprobs"] = [
+                        [[lp, tid, None] for tid, lp in t.top] for t in result.logprobs
+                    ]
+            return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+
+        if data.get("stream"):
+
+            def events() -> Iterator[str]:
+                for result, done in run(got, req):
+                    yield f"data: {json.dumps(native(result, done))}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        last = await _in_thread(lambda: _final(run(got, req)))
+        return JSONResponse(native(last, True))
+
+    async def models(request: Request) -> Response:
+        ctx = state.engine.context_length if state.engine else None
+        card = {
+            "id": state.served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kdctl",
+            "root": str(model_dir),
+            "max_model_len": ctx,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(request: Request) -> Response:
+        return await _openai(request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _openai(request, chat=True)
+
+    async def _openai(request: Request, *, chat: bool) -> Response:
+        data = await body(request)
+        if isinstance(data, JSONResponse):
+            return data
+        got = engine_or_503()
+        if isinstance(got, JSONResponse):
+            return got
+        model = data.get("model")
+        if model not in (None, state.served_name):
+            return error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        try:
+            if chat:
+                messages = data.get("messages")
+                if not isinstance(messages, list) or not messages:
+                    raise ValueError("messages must be a non-empty list")
+                prompt: Any = _chat_prompt(messages)
+            else:
+                prompt = data.get("prompt")
+            text = prompt if isinstance(prompt, str) else None
+            ids = prompt if isinstance(prompt, list) else None
+            if text is None and ids is None:
+                raise ValueError("prompt must be a string or a list of token ids")
+            k = data.get("top_logprobs") if chat else data.get("logprobs")
+            req = GenerateRequest(
+                text=text,
+                input_ids=ids,
+                max_new_tokens=data.get("max_completion_tokens") or data.get("max_tokens") or 16,
+                temperature=data.get("temperature", 1.0),
+                top_p=data.get("top_p", 1.0),
+                top_k=data.get("top_k", -1),
+                seed=data.get("seed"),
+                stop=_listify(data.get("stop")),
+                ignore_eos=bool(data.get("ignore_eos", False)),
+                top_logprobs=int(k or 0),
+            )
+            _check(got, req)
+        except (ValidationError, InputError, TypeError, ValueError) as exc:
+            return error(400, _message(exc))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        obj = "chat.completion" if chat else "text_completion"
+        want_lp = (data.get("logprobs") is True) if chat else (data.get("logprobs") is not None)
+        as_ids = bool(data.get("return_tokens_as_token_ids"))
+
+        def tok(token_id: int) -> str:
+            # vLLM's convention, which clients use to get ids back through token strings.
+            return f"token_id:{token_id}" if as_ids else got.decode([token_id])
+
+        def usage(r: GenerateResult) -> dict[str, int]:
+            return {
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "total_tokens": r.prompt_tokens + r.completion_tokens,
+            }
+
+        def logprobs(r: GenerateResult, start: int) -> dict[str, Any] | None:
+            if not want_lp:
+                return None
+            part = r.logprobs[start:]
+            if chat:
+                return {
+                    "content": [
+                        {
+                            "token": got.decode([t.token_id]),
+                            "logprob": t.logprob,
+                            "top_logprobs": [
+                                {"token": got.decode([i]), "logprob": lp} for i, lp in t.top
+                            ],
+                        }
+                        for t in part
+                    ]
+                }
+            return {
+                "tokens": [tok(t.token_id) for t in part],
+                "token_logprobs": [t.logprob for t in part],
+                "top_logprobs": [{tok(i): lp for i, lp in t.top} for t in part],
+            }
+
+        def choice(
+            r: GenerateResult, text: str, start: int, done: bool, stream: bool
+        ) -> dict[str, Any]:
+            c: dict[str, Any] = {"index": 0, "logprobs": logprobs(r, start)}
+            if chat:
+                c["delta" if stream else "message"] = {"role": "assistant", "content": text}
+            else:
+                c["text"] = text
+                c["token_ids"] = r.output_ids[start:]
+            c["finish_reason"] = r.finish_reason if done else None
+            c["matched_stop"] = r.matched_stop if done else None
+            return c
+
+        if data.get("stream"):
+            include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+
+            def events() -> Iterator[str]:
+                sent_text, sent_ids = "", 0
+                for result, done in run(got, req):
+                    delta = result.text[len(sent_text) :]
+                    yield _sse(
+                        obj, rid, state.served_name, choice(result, delta, sent_ids, done, True)
+                    )
+                    sent_text, sent_ids = result.text, len(result.output_ids)
+                    if done and include_usage:
+                        yield _sse(obj, rid, state.served_name, None, usage(result))
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        last = await _in_thread(lambda: _final(run(got, req)))
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": state.served_name,
+                "choices": [choice(last, last.text, 0, True, False)],
+                "usage": usage(last),
+            }
+        )
+
+    async def metrics(request: Request) -> Response:
+        with state.lock:
+            c = dict(state.counters)
+            ttft = list(state.ttft)
+        labels = f'{{model_name="{_escape(state.served_name)}"}}'
+        lines = [
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs{labels} {c['running']}",
+            "# TYPE sglang:num_requests counter",
+            f"sglang:num_requests_total{labels} {c['requests']}",
+            "# TYPE sglang:prompt_tokens counter",
+            f"sglang:prompt_tokens_total{labels} {c['prompt_tokens']}",
+            "# TYPE sglang:generation_tokens counter",
+            f"sglang:generation_tokens_total{labels} {c['generation_tokens']}",
+            "# TYPE sglang:time_to_first_token_seconds histogram",
+        ]
+        for bound in (0.01, 0.05, 0.1, 0.5, 1.0, 5.0):
+            n = sum(1 for t in ttft if t <= bound)
+            lines.append(
+                f'sglang:time_to_first_token_seconds_bucket{{model_name="{_escape(state.served_name)}",le="{bound}"}} {n}'
+            )
+        lines.append(
+            f'sglang:time_to_first_token_seconds_bucket{{model_name="{_escape(state.served_name)}",le="+Inf"}} {len(ttft)}'
+        )
+        lines.append(f"sglang:time_to_first_token_seconds_count{labels} {len(ttft)}")
+        lines.append(f"sglang:time_to_first_token_seconds_sum{labels} {sum(ttft)}")
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/generate", generate, methods=["POST", "PUT"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes)
+    if api_key:
+        app.add_middleware(_ApiKey, api_key=api_key)
+    return app
+
+
+class _ApiKey:
+    """SGLang's rule: `Authorization: Bearer KEY` on every path but /health* and /metrics."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path = scope["path"]
+            if not (path.startswith("/health") or path.startswith("/metrics")):
+                headers = dict(scope["headers"])
+                if headers.get(b"authorization") != self.expected:
+                    from starlette.responses import JSONResponse
+
+                    await JSONResponse({"error": "Unauthorized"}, 401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+async def _in_thread(fn: Any) -> Any:
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(fn)
+
+
+def _final(steps: Iterator[tuple[GenerateResult, bool]]) -> GenerateResult:
+    last = None
+    for last, _ in steps:
+        pass
+    assert last is not None
+    return last
+
+
+def _check(engine: ReferenceEngine, req: GenerateRequest) -> None:
+    ids = req.input_ids if req.input_ids is not None else engine.encode(req.text or "")
+    vocab = int(engine.config.get("vocab_size") or 0)
+    if not ids:
+        raise InputError("the prompt is empty")
+    if vocab and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        raise InputError(f"input_ids must be integers in [0, {vocab})")
+    if len(ids) + req.max_new_tokens > engine.context_length:
+        raise InputError(
+            f"prompt ({len(ids)}) + max_new_tokens ({req.max_new_tokens}) exceeds the "
+            f"context length {engine.context_length}"
+        )
+
+
+def _finish(result: GenerateResult) -> dict[str, Any]:
+    if result.finish_reason == "length":
+        return {"type": "length", "length": result.completion_tokens}
+    return {"type": result.finish_reason, "matched": result.matched_stop}
+
+
+def _listify(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+    return str(exc)
+
+
+def _chat_prompt(messages: list[Any]) -> str:
+    # The tiny tokenizers have no chat template; a plain transcript is enough for a reference.
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ValueError("each message needs a role and string content")
+        parts.append(f"{m.get('role', 'user')}: {m['content']}\n")
+    return "".join(parts) + "assistant:"
+
+
+def _sse(obj: str, rid: str, model: str, choice: dict[str, Any] | None, usage: Any = None) -> str:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": f"{obj}.chunk" if obj == "chat.completion" else obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice] if choice is not None else [],
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _quantization(model_dir: Path) -> Any:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("kdctl_quantization")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def serve(
+    model_dir: Path,
+    *,
+    host: str,
+    port: int,
+    served_name: str | None,
+    api_key_env: str | None,
+    device: str,
+    dtype: str,
+) -> None:
+    import uvicorn
+
+    api_key = os.environ.get(api_key_env) if api_key_env else None
+    if api_key_env and not api_key:
+        raise InputError(f"--api-key-env: environment variable {api_key_env} is not set")
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"--model: {model_dir} is not a model folder (no config.json)")
+    app = create_app(
+        model_dir, served_name=served_name, api_key=api_key, device=device, dtype=dtype
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

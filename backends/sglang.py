@@ -1,0 +1,170 @@
+"""SGLang's HTTP API, as SGLang serves it (see shared reference: sglang-api.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from kdctl.backends._base import Backend
+from kdctl.backends._http import HttpSession
+from kdctl.backends._types import (
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    StreamChunk,
+    TokenLogprob,
+)
+from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
+from kdctl.backends.health import HealthResult, probe_health
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+
+from kdctl.inventory import BackendSpec
+
+
+class SGLangBackend(Backend):
+    kind = "sglang"
+
+    def __init__(
+        self,
+        name: str,
+        spec: BackendSpec,
+        *,
+        api_key: SecretStr | None = None,
+        timeout: float = 60.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(name, spec, api_key=api_key, timeout=timeout)
+        if not spec.url:
+            raise ValueError(f"backend {name} has no url")
+        self.http = HttpSession(name, spec.url, api_key=api_key, timeout=timeout, client=client)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def health(self) -> HealthResult:
+        return probe_health(self.http._client, self.http.base_url, api_key=self.api_key)
+
+    def _info(self, new: str, old: str) -> dict[str, Any]:
+        # Newer SGLang serves /server_info and /model_info, older only the /get_ names.
+        try:
+            data = self.http.json("GET", new)
+        except BackendHTTPError as exc:
+            if exc.status != 404:
+                raise
+            data = self.http.json("GET", old)
+        if not isinstance(data, dict):
+            raise BackendProtocolError(self.name, self.http.url(new), "expected a JSON object")
+        return data
+
+    def info(self) -> EngineInfo:
+        server = self._info("/server_info", "/get_server_info")
+        model = self._info("/model_info", "/get_model_info")
+        return EngineInfo(
+            model=model.get("model_path") or server.get("model_path"),
+            served_name=server.get("served_model_name"),
+            version=server.get("version"),
+            tp_size=server.get("tp_size"),
+            context_length=server.get("context_length") or server.get("max_req_input_len"),
+        )
+
+    def _body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
+        sp: dict[str, Any] = {
+            "max_new_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "ignore_eos": req.ignore_eos,
+        }
+        if req.stop:
+            sp["stop"] = req.stop
+        if req.stop_token_ids:
+            sp["stop_token_ids"] = req.stop_token_ids
+        if req.seed is not None:
+            sp["sampling_seed"] = req.seed
+        body: dict[str, Any] = {
+            "sampling_params": sp,
+            "return_logprob": True,
+            "top_logprobs_num": req.top_logprobs,
+            "stream": stream,
+        }
+        if req.input_ids is not None:
+            body["input_ids"] = req.input_ids
+        else:
+            body["text"] = req.text
+        return body
+
+    def _result(self, data: Any) -> GenerateResult:
+        url = self.http.url("/generate")
+        if not isinstance(data, dict) or "meta_info" not in data:
+            raise BackendProtocolError(self.name, url, "no meta_info in the answer")
+        meta = data["meta_info"]
+        try:
+            ids = [int(i) for i in data.get("output_ids") or []]
+            tokens = meta.get("output_token_logprobs") or []
+            tops = meta.get("output_top_logprobs") or [None] * len(tokens)
+            logprobs = [
+                TokenLogprob(
+                    token_id=int(tok[1]),
+                    logprob=float(tok[0]),
+                    top=[(int(t[1]), float(t[0])) for t in (top or [])],
+                )
+                for tok, top in zip(tokens, tops, strict=False)
+            ]
+            finish = meta.get("finish_reason")
+            reason, matched = _finish(finish)
+            return GenerateResult(
+                output_ids=ids or [t.token_id for t in logprobs],
+                text=data.get("text") or "",
+                finish_reason=reason,
+                matched_stop=matched,
+                prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                completion_tokens=int(meta.get("completion_tokens") or len(ids)),
+                logprobs=logprobs,
+            )
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            raise BackendProtocolError(self.name, url, f"malformed answer: {exc}") from None
+
+    def generate(self, req: GenerateRequest) -> GenerateResult:
+        return self._result(self.http.json("POST", "/generate", self._body(req, stream=False)))
+
+    def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
+        # SGLang streams cumulative text and output_ids; chunks carry only what is new.
+        seen_ids, seen_text = 0, ""
+        for at, data in self.http.events("/generate", self._body(req, stream=True)):
+            if not isinstance(data, dict):
+                raise BackendProtocolError(self.name, self.http.url("/generate"), "bad event")
+            ids = data.get("output_ids") or []
+            text = data.get("text") or ""
+            meta = data.get("meta_info") or {}
+            finish = meta.get("finish_reason")
+            yield StreamChunk(
+                received_at=at,
+                output_ids=list(ids[seen_ids:]),
+                text=text[len(seen_text) :] if text.startswith(seen_text) else text,
+                finish_reason=_finish(finish)[0] if finish else None,
+                prompt_tokens=meta.get("prompt_tokens"),
+                completion_tokens=meta.get("completion_tokens"),
+            )
+            seen_ids, seen_text = len(ids), text
+
+    def metrics(self) -> dict[str, Any]:
+        text = self.http.request("GET", "/metrics").text
+        try:
+            return {f.name: f for f in text_string_to_metric_families(text)}
+        except ValueError as exc:
+            raise BackendProtocolError(self.name, self.http.url("/metrics"), str(exc)) from None
+
+
+def _finish(finish: Any) -> tuple[FinishReason, int | str | None]:
+    """SGLang's dict-shaped finish_reason: {"type": "length"|"stop"|"abort", ...}."""
+    if isinstance(finish, dict):
+        kind = finish.get("type")
+        matched = finish.get("matched")
+    else:
+        kind, matched = finish, None
+    if kind not in ("length", "stop", "abort"):
+        kind = "abort" if kind else "length"
+    return kind, matched  # type: ignore[return-value]

@@ -19,6 +19,14 @@ from typing import Any
 
 from kdctl.backends._types import GenerateRequest, GenerateResult
 from kdctl.backends.reference.engine import ReferenceEngine
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import ValidationError
 
 from kdctl import __version__
@@ -35,9 +43,33 @@ class _State:
         self.dtype = dtype
         self.engine: ReferenceEngine | None = None
         self.load_error: str | None = None
-        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "running": 0}
-        self.ttft: list[float] = []
-        self.lock = threading.Lock()
+        # SGLang's own metric names, so a dashboard or gate reads both engines alike.
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.running = Gauge(
+            "sglang:num_running_reqs", "Running requests", labels, registry=self.registry
+        ).labels(served_name)
+        self.requests = Counter(
+            "sglang:num_requests", "Requests finished", labels, registry=self.registry
+        ).labels(served_name)
+        self.prompt_tokens = Counter(
+            "sglang:prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
+        ).labels(served_name)
+        self.generation_tokens = Counter(
+            "sglang:generation_tokens", "Tokens generated", labels, registry=self.registry
+        ).labels(served_name)
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            registry=self.registry,
+        ).labels(served_name)
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "End-to-end latency",
+            labels,
+            registry=self.registry,
+        ).labels(served_name)
 
     def load(self) -> None:
         try:
@@ -57,7 +89,7 @@ def create_app(
 ) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     state = _State(model_dir, served_name or str(model_dir), device, dtype)
@@ -88,30 +120,22 @@ def create_app(
             return error(400, "the body must be a JSON object")
         return data
 
-    def account(result: GenerateResult) -> None:
-        with state.lock:
-            state.counters["requests"] += 1
-            state.counters["prompt_tokens"] += result.prompt_tokens
-            state.counters["generation_tokens"] += result.completion_tokens
-
     def run(engine: ReferenceEngine, req: GenerateRequest) -> Iterator[tuple[GenerateResult, bool]]:
         started = time.perf_counter()
-        first = True
         last = None
-        with state.lock:
-            state.counters["running"] += 1
+        state.running.inc()
         try:
             for last, done in engine.steps(req):
-                if first:
-                    with state.lock:
-                        state.ttft.append(time.perf_counter() - started)
-                    first = False
+                if last.completion_tokens == 1:
+                    state.ttft.observe(time.perf_counter() - started)
                 yield last, done
         finally:
-            with state.lock:
-                state.counters["running"] -= 1
+            state.running.dec()
             if last is not None:
-                account(last)
+                state.requests.inc()
+                state.prompt_tokens.inc(last.prompt_tokens)
+                state.generation_tokens.inc(last.completion_tokens)
+                state.e2e.observe(time.perf_counter() - started)
 
     async def health(request: Request) -> Response:
         got = engine_or_503()
@@ -350,32 +374,7 @@ def create_app(
         )
 
     async def metrics(request: Request) -> Response:
-        with state.lock:
-            c = dict(state.counters)
-            ttft = list(state.ttft)
-        labels = f'{{model_name="{_escape(state.served_name)}"}}'
-        lines = [
-            "# TYPE sglang:num_running_reqs gauge",
-            f"sglang:num_running_reqs{labels} {c['running']}",
-            "# TYPE sglang:num_requests counter",
-            f"sglang:num_requests_total{labels} {c['requests']}",
-            "# TYPE sglang:prompt_tokens counter",
-            f"sglang:prompt_tokens_total{labels} {c['prompt_tokens']}",
-            "# TYPE sglang:generation_tokens counter",
-            f"sglang:generation_tokens_total{labels} {c['generation_tokens']}",
-            "# TYPE sglang:time_to_first_token_seconds histogram",
-        ]
-        for bound in (0.01, 0.05, 0.1, 0.5, 1.0, 5.0):
-            n = sum(1 for t in ttft if t <= bound)
-            lines.append(
-                f'sglang:time_to_first_token_seconds_bucket{{model_name="{_escape(state.served_name)}",le="{bound}"}} {n}'
-            )
-        lines.append(
-            f'sglang:time_to_first_token_seconds_bucket{{model_name="{_escape(state.served_name)}",le="+Inf"}} {len(ttft)}'
-        )
-        lines.append(f"sglang:time_to_first_token_seconds_count{labels} {len(ttft)}")
-        lines.append(f"sglang:time_to_first_token_seconds_sum{labels} {sum(ttft)}")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -485,10 +484,6 @@ def _sse(obj: str, rid: str, model: str, choice: dict[str, Any] | None, usage: A
     if usage is not None:
         chunk["usage"] = usage
     return f"data: {json.dumps(chunk)}\n\n"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _quantization(model_dir: Path) -> Any:

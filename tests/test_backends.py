@@ -1,0 +1,232 @@
+"""The sglang, native and openai kinds against the reference server over real HTTP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from kdctl.backends import GenerateRequest
+from kdctl.backends._base import backend_class, make_backend
+from kdctl.backends.errors import (
+    BackendAuthError,
+    BackendHTTPError,
+    BackendNotReady,
+    BackendProtocolError,
+    BackendTimeout,
+    BackendUnavailable,
+)
+from kdctl.errors import InputError
+from kdctl.inventory import BackendSpec
+from tests.conftest import Served
+from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.sshd import free_port
+
+pytest.importorskip("torch")
+
+
+def spec(kind: str, url: str, **extra: object) -> BackendSpec:
+    return BackendSpec.model_validate({"kind": kind, "host": "local", "url": url, **extra})
+
+
+@pytest.fixture(scope="module")
+def engine(models: dict[str, Path]):  # type: ignore[no-untyped-def]
+    from kdctl.backends.reference.engine import ReferenceEngine
+
+    return ReferenceEngine(models["dsv3"])
+
+
+GREEDY = GenerateRequest(
+    input_ids=[40, 41, 42, 43, 44], max_new_tokens=12, top_logprobs=5, ignore_eos=True
+)
+
+
+@pytest.mark.parametrize("kind", ["sglang", "native", "openai"])
+def test_greedy_matches_the_in_process_reference(
+    kind: str,
+    reference_server: Served,
+    engine,  # type: ignore[no-untyped-def]
+) -> None:
+    want = engine.generate(GREEDY)
+    with make_backend(kind, spec(kind, reference_server.url)) as be:
+        got = be.generate(GREEDY)
+    assert got.output_ids == want.output_ids
+    assert (got.prompt_tokens, got.completion_tokens) == (5, 12)
+    assert got.finish_reason == "length"
+    assert len(got.logprobs) == 12
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.token_id == b.token_id
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert len(a.top) == 5
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_text_prompt_stop_and_seed(kind: str, reference_server: Served) -> None:
+    with make_backend(kind, spec(kind, reference_server.url)) as be:
+        base = be.generate(
+            GenerateRequest(text="def __init__(self", max_new_tokens=16, ignore_eos=True)
+        )
+        assert base.text and base.prompt_tokens > 0
+        stop = base.text[4:6]
+        stopped = be.generate(
+            GenerateRequest(text="def __init__(self", max_new_tokens=16, stop=[stop])
+        )
+        assert stopped.finish_reason == "stop" and stop not in stopped.text
+        sampled = [
+            be.generate(
+                GenerateRequest(
+                    text="import ", max_new_tokens=10, temperature=1.0, seed=s, ignore_eos=True
+                )
+            ).output_ids
+            for s in (7, 7, 8)
+        ]
+        assert sampled[0] == sampled[1] != sampled[2]
+
+
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+def test_streaming_matches_and_is_timed(kind: str, reference_server: Served) -> None:
+    with make_backend(kind, spec(kind, reference_server.url)) as be:
+        whole = be.generate(GREEDY)
+        chunks = list(be.stream(GREEDY))
+    ids = [i for c in chunks for i in c.output_ids]
+    assert ids == whole.output_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    stamps = [c.received_at for c in chunks]
+    assert stamps == sorted(stamps) and len([c for c in chunks if c.output_ids]) == 12
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    assert chunks[-1].completion_tokens == 12  # sglang: running count; openai: the usage chunk
+
+
+def test_info_and_metrics(reference_server: Served, models: dict[str, Path]) -> None:
+    with make_backend("sglang", spec("sglang", reference_server.url)) as be:
+        info = be.info()
+        assert info.model == str(models["dsv3"])
+        assert info.version and info.version.startswith("kdctl-reference")
+        assert info.tp_size == 1 and info.context_length == 1024
+        before = be.metrics()["sglang:generation_tokens"].samples[0].value
+        be.generate(GenerateRequest(input_ids=[5], max_new_tokens=3, ignore_eos=True))
+        after = be.metrics()["sglang:generation_tokens"]
+        assert after.samples[0].value == before + 3
+        assert after.samples[0].labels["model_name"] == models["dsv3"].name
+        assert be.health().state == "up"
+    with make_backend("openai", spec("openai", reference_server.url)) as be:
+        oi = be.info()
+        assert oi.served_name == models["dsv3"].name and oi.context_length == 1024
+
+
+def test_api_key(keyed_server: Served) -> None:
+    url = keyed_server.url
+    good = make_backend(
+        "sglang", spec("sglang", url), api_key=SecretStr(keyed_server.api_key or "")
+    )
+    assert good.generate(GenerateRequest(input_ids=[3], max_new_tokens=2)).completion_tokens == 2
+    for kind in ("sglang", "openai"):
+        bad = make_backend(kind, spec(kind, url), api_key=SecretStr("sk-wrong"))
+        with pytest.raises(BackendAuthError, match="authentication failed") as exc:
+            bad.generate(GenerateRequest(input_ids=[3], max_new_tokens=2))
+        assert "sk-wrong" not in str(exc.value) and url in str(exc.value)
+        assert bad.health().state == "up"  # /health is exempt from the key, as in SGLang
+
+
+def test_bad_request_is_typed(reference_server: Served) -> None:
+    with make_backend("sglang", spec("sglang", reference_server.url)) as be:
+        with pytest.raises(BackendHTTPError) as exc:
+            be.generate(GenerateRequest(input_ids=[999_999], max_new_tokens=2))
+        assert exc.value.status == 400 and "input_ids" in str(exc.value)
+
+
+def test_starting_server_is_not_ready_not_down(models: dict[str, Path]) -> None:
+    import uvicorn
+
+    from kdctl.backends.reference.server import create_app
+
+    port = free_port()
+    app = create_app(models["dsv3"], load_delay_s=4)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        with make_backend("sglang", spec("sglang", f"http://127.0.0.1:{port}")) as be:
+            assert be.health().state == "starting"
+            with pytest.raises(BackendNotReady, match="not ready yet"):
+                be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1))
+            deadline = time.monotonic() + 60
+            while be.health().state != "up" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert (
+                be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1)).completion_tokens == 1
+            )
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory, need_nginx: str) -> Iterator[str]:
+    """A real nginx answering like a broken engine: 500s, bad JSON, a stream cut short."""
+    port = free_port()
+    servers = f"""
+  server {{
+    listen 127.0.0.1:{port};
+    location = /err/generate {{ return 500 "internal error"; }}
+    location = /bad/generate {{ default_type application/json; return 200 "{{not json"; }}
+    location = /short/generate {{
+      default_type text/event-stream;
+      return 200 "data: {{\\"text\\": \\"a\\", \\"output_ids\\": [1], \\"meta_info\\": {{}}}}\\n\\n";
+    }}
+    location = /odd/generate {{ default_type application/json; return 200 "[1, 2]"; }}
+  }}
+"""
+    pid = start_nginx(tmp_path_factory.mktemp("faulty"), servers, [port])
+    yield f"http://127.0.0.1:{port}"
+    stop_nginx(pid)
+
+
+def test_faults_are_typed_errors_naming_backend_and_url(faulty: str) -> None:
+    req = GenerateRequest(input_ids=[1], max_new_tokens=2)
+    cases = [
+        ("err", BackendHTTPError, "HTTP 500"),
+        ("bad", BackendProtocolError, "not JSON"),
+        ("odd", BackendProtocolError, "no meta_info"),
+    ]
+    for path, error, needle in cases:
+        be = make_backend("sglang", spec("sglang", f"{faulty}/{path}"))
+        with pytest.raises(error, match=needle) as exc:
+            be.generate(req)
+        assert f"backend sglang ({faulty}/{path}/generate)" in str(exc.value)
+    short = make_backend("sglang", spec("sglang", f"{faulty}/short"))
+    with pytest.raises(BackendProtocolError, match=r"ended without \[DONE\]"):
+        list(short.stream(req))
+    gone = make_backend("sglang", spec("sglang", f"http://127.0.0.1:{free_port()}"))
+    with pytest.raises(BackendUnavailable):
+        gone.generate(req)
+
+
+def test_hang_past_the_deadline_times_out() -> None:
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        be = make_backend("sglang", spec("sglang", url), timeout=1.0)
+        started = time.monotonic()
+        with pytest.raises(BackendTimeout, match="no answer within 1s"):
+            be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1))
+        with pytest.raises(BackendTimeout):
+            list(be.stream(GenerateRequest(input_ids=[1], max_new_tokens=1)))
+        assert time.monotonic() - started < 5
+
+
+def test_registry() -> None:
+    assert backend_class("native").kind == "native"
+    assert backend_class("reference").kind == "reference"
+    with pytest.raises(InputError, match="unknown backend kind 'tgi'"):
+        backend_class("tgi")

@@ -4,6 +4,7 @@ Kinds: `sglang`, `openai`, `native` and `reference` (DESIGN.md section 4). Other
 add kinds through the `kdctl.backends` entry-point group.
 """
 
+from kdctl.backends._base import Backend, backend_class, make_backend
 from kdctl.backends._types import (
     EngineInfo,
     FinishReason,
@@ -14,4 +15,16 @@ from kdctl.backends._types import (
 )
 from kdctl.backends.health import HealthResult, probe_health
 
-__all__ = ["HealthResult", "probe_health"]
+__all__ = [
+    "Backend",
+    "EngineInfo",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "HealthResult",
+    "StreamChunk",
+    "TokenLogprob",
+    "backend_class",
+    "make_backend",
+    "probe_health",
+]

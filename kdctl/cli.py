@@ -169,7 +169,8 @@ def reference_make_model(
         quant = f", {report.quantization['method']} g{group_size}" if report.quantization else ""
         out.print(
             f"{report.arch} model with {report.parameters:,} parameters{quant} "
-            f"written to {report.out} (trained {report.train_steps} steps, loss {report.final_loss})",
+            f"written to {report.out} "
+            f"(trained {report.train_steps} steps, loss {report.final_loss})",
             markup=False,
         )
 

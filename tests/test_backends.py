@@ -8,8 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
-
 from kdctl.backends import GenerateRequest
 from kdctl.backends._base import backend_class, make_backend
 from kdctl.backends.errors import (
@@ -20,6 +18,8 @@ from kdctl.backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
+from pydantic import SecretStr
+
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 from tests.conftest import Served
@@ -142,7 +142,6 @@ def test_bad_request_is_typed(reference_server: Served) -> None:
 
 def test_starting_server_is_not_ready_not_down(models: dict[str, Path]) -> None:
     import uvicorn
-
     from kdctl.backends.reference.server import create_app
 
     port = free_port()
@@ -172,6 +171,7 @@ def test_starting_server_is_not_ready_not_down(models: dict[str, Path]) -> None:
 def faulty(tmp_path_factory: pytest.TempPathFactory, need_nginx: str) -> Iterator[str]:
     """A real nginx answering like a broken engine: 500s, bad JSON, a stream cut short."""
     port = free_port()
+    event = '{\\"text\\": \\"a\\", \\"output_ids\\": [1], \\"meta_info\\": {}}'
     servers = f"""
   server {{
     listen 127.0.0.1:{port};
@@ -179,7 +179,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory, need_nginx: str) -> Iterato
     location = /bad/generate {{ default_type application/json; return 200 "{{not json"; }}
     location = /short/generate {{
       default_type text/event-stream;
-      return 200 "data: {{\\"text\\": \\"a\\", \\"output_ids\\": [1], \\"meta_info\\": {{}}}}\\n\\n";
+      return 200 "data: {event}\\n\\n";
     }}
     location = /odd/generate {{ default_type application/json; return 200 "[1, 2]"; }}
   }}

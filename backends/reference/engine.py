@@ -18,6 +18,16 @@ from kdctl.backends._types import GenerateRequest, GenerateResult, TokenLogprob
 from kdctl.errors import InputError
 
 
+def final(steps: Iterator[tuple[GenerateResult, bool]]) -> GenerateResult:
+    """The last result of a run of steps: the finished generation."""
+    last = None
+    for last, _ in steps:  # noqa: B007 - only the last one is wanted
+        pass
+    if last is None:
+        raise RuntimeError("generation produced no step")
+    return last
+
+
 class ReferenceEngine:
     def __init__(self, model_dir: Path, *, device: str = "cpu", dtype: str = "float32") -> None:
         import torch
@@ -44,11 +54,7 @@ class ReferenceEngine:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def generate(self, req: GenerateRequest) -> GenerateResult:
-        result: GenerateResult | None = None
-        for result, _ in self.steps(req):
-            pass
-        assert result is not None
-        return result
+        return final(self.steps(req))
 
     def steps(self, req: GenerateRequest) -> Iterator[tuple[GenerateResult, bool]]:
         """Yield the cumulative result after every token, and whether it is the last."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kdctl.backends._types import GenerateRequest, GenerateResult
-from kdctl.backends.reference.engine import ReferenceEngine
+from kdctl.backends.reference.engine import ReferenceEngine, final
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -234,7 +234,7 @@ def create_app(
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        last = await _in_thread(lambda: _final(run(got, req)))
+        last = await _in_thread(lambda: final(run(got, req)))
         return JSONResponse(native(last, True))
 
     async def models(request: Request) -> Response:
@@ -361,7 +361,7 @@ def create_app(
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        last = await _in_thread(lambda: _final(run(got, req)))
+        last = await _in_thread(lambda: final(run(got, req)))
         return JSONResponse(
             {
                 "id": rid,
@@ -419,14 +419,6 @@ async def _in_thread(fn: Any) -> Any:
     from starlette.concurrency import run_in_threadpool
 
     return await run_in_threadpool(fn)
-
-
-def _final(steps: Iterator[tuple[GenerateResult, bool]]) -> GenerateResult:
-    last = None
-    for last, _ in steps:
-        pass
-    assert last is not None
-    return last
 
 
 def _check(engine: ReferenceEngine, req: GenerateRequest) -> None:

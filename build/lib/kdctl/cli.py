@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,8 +24,16 @@ app = typer.Typer(
 )
 inventory_app = typer.Typer(help="Validate and summarise the inventory.", no_args_is_help=True)
 app.add_typer(inventory_app, name="inventory")
+reference_app = typer.Typer(
+    help="The reference model and server (needs the `reference` extra).", no_args_is_help=True
+)
+app.add_typer(reference_app, name="reference")
 
-out = Console(highlight=False)
+# Piped output (CI logs, `| less`) gets full-width tables instead of rich's 80 columns.
+out = Console(
+    highlight=False,
+    width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200),
+)
 
 InventoryOpt = Annotated[
     Path | None,
@@ -112,6 +121,87 @@ def inventory_check(
         )
     else:
         out.print(inventory_summary(inv))
+
+
+@reference_app.command("make-model")
+def reference_make_model(
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder to write the model into.")],
+    arch: Annotated[str, typer.Option("--arch", help="deepseek_v3 (Kimi K2's) or llama.")] = (
+        "deepseek_v3"
+    ),
+    train_steps: Annotated[int, typer.Option("--train-steps", min=0)] = 300,
+    quantize: Annotated[
+        str | None, typer.Option("--quantize", help="w4a16: INT4 per-group weights, dequantized.")
+    ] = None,
+    group_size: Annotated[int, typer.Option("--group-size", min=1)] = 32,
+    from_model: Annotated[
+        Path | None, typer.Option("--from", help="Quantize this model instead of making one.")
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Write a tiny model with a locally trained tokenizer; the same arguments, the same bytes."""
+    from kdctl.backends.reference.model import make_model
+    from kdctl.errors import InputError
+
+    if arch not in ("deepseek_v3", "llama"):
+        raise InputError(f"--arch: {arch!r} is not one of deepseek_v3, llama")
+    if quantize not in (None, "w4a16"):
+        raise InputError(f"--quantize: {quantize!r} is not w4a16")
+    report = make_model(
+        arch,  # type: ignore[arg-type]
+        out_dir,
+        train_steps=train_steps,
+        quantize=quantize,  # type: ignore[arg-type]
+        group_size=group_size,
+        from_model=from_model,
+    )
+    doc = {
+        "out": str(report.out),
+        "arch": report.arch,
+        "parameters": report.parameters,
+        "train_steps": report.train_steps,
+        "final_loss": report.final_loss,
+        "quantization": report.quantization,
+    }
+    if json_:
+        _print_json(doc)
+    else:
+        quant = f", {report.quantization['method']} g{group_size}" if report.quantization else ""
+        out.print(
+            f"{report.arch} model with {report.parameters:,} parameters{quant} "
+            f"written to {report.out} "
+            f"(trained {report.train_steps} steps, loss {report.final_loss})",
+            markup=False,
+        )
+
+
+@reference_app.command("serve")
+def reference_serve(
+    model: Annotated[Path, typer.Option("--model", help="A model folder (make-model's output).")],
+    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 30000,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name")] = None,
+    api_key_env: Annotated[
+        str | None, typer.Option("--api-key-env", help="Variable holding the API key to require.")
+    ] = None,
+    device: Annotated[str, typer.Option("--device")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
+) -> None:
+    """Serve a reference model behind SGLang's HTTP API (503 until it is loaded)."""
+    from kdctl.backends.reference.server import serve
+    from kdctl.errors import InputError
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise InputError(f"--dtype: {dtype!r} is not one of float32, bfloat16, float16")
+    serve(
+        model,
+        host=host,
+        port=port,
+        served_name=served_model_name,
+        api_key_env=api_key_env,
+        device=device,
+        dtype=dtype,
+    )
 
 
 def main() -> None:

@@ -230,3 +230,40 @@ def test_registry() -> None:
     assert backend_class("reference").kind == "reference"
     with pytest.raises(InputError, match="unknown backend kind 'tgi'"):
         backend_class("tgi")
+
+
+def test_status_shows_model_version_and_tp(
+    reference_server: Served, keyed_server: Served, models: dict[str, Path], tmp_path: Path
+) -> None:
+    import json
+
+    from tests.conftest import kdctl, write_inventory
+
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
+                "candidate": {
+                    "kind": "native",
+                    "host": "local",
+                    "url": keyed_server.url,
+                    "api_key_env": "KDCTL_TEST_CANDIDATE_KEY",
+                    "tp_size": 2,
+                    "gpus": [0, 1],
+                },
+            },
+        },
+    )
+    run = kdctl("status", "-i", str(inv), "--json", env={"KDCTL_TEST_CANDIDATE_KEY": "sk-test-7f1e"})
+    assert run.code == 0, run.err
+    backends = {b["name"]: b for b in json.loads(run.out)["backends"]}
+    base, cand = backends["baseline"], backends["candidate"]
+    assert (base["state"], base["identity"], base["tp_size"]) == ("up", "live", 1)
+    assert base["model"] == str(models["dsv3"]) and base["version"].startswith("kdctl-reference")
+    assert base["context_length"] == 1024 and base["latency_ms"] > 0
+    # The inventory says TP 2; the engine says 1: the live answer wins and the gap is named.
+    assert cand["model"] == str(models["dsv3-int4"]) and cand["tp_size"] == 1
+    assert cand["detail"] == "engine reports TP 1, inventory says 2"
+    assert "sk-test-7f1e" not in run.out + run.err

@@ -112,4 +112,8 @@ def backend_class(kind: str) -> type[Backend]:
 
 
 def make_backend(name: str, spec: BackendSpec, **kwargs: Any) -> Backend:
-    return backend_class(spec.kind)(name, spec, **kwargs)
+    """A backend for an inventory entry; `transport` reaches kinds that run on the host."""
+    cls = backend_class(spec.kind)
+    if "transport" in kwargs and spec.kind != "native":
+        kwargs.pop("transport")
+    return cls(name, spec, **kwargs)

@@ -1,10 +1,154 @@
-"""The team's native engine. In `http` mode it speaks SGLang's API and is that client under its
-own name; `command` mode (before the engine has a server) runs its binary with a JSON request."""
+"""The team's native engine.
+
+In `http` mode it speaks SGLang's API: the SGLang client under its own name. In `command` mode,
+before the engine has a server, kdctl runs the engine's binary on its host with a JSON request
+file and reads a JSON response file (docs/native-engine-contract.md).
+"""
 
 from __future__ import annotations
 
+import json
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult
+from kdctl.backends.contract import (
+    EXIT_BAD_REQUEST,
+    EXIT_ENGINE_FAILURE,
+    ContractRequest,
+    RequestFile,
+    ResponseFile,
+)
+from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
+from kdctl.backends.health import HealthResult
 from kdctl.backends.sglang import SGLangBackend
+from pydantic import SecretStr, ValidationError
+
+from kdctl.errors import KdctlError
+from kdctl.inventory import BackendSpec
+from kdctl.transports import Transport
 
 
 class NativeBackend(SGLangBackend):
     kind = "native"
+
+    def __init__(
+        self,
+        name: str,
+        spec: BackendSpec,
+        *,
+        api_key: SecretStr | None = None,
+        timeout: float = 60.0,
+        client: httpx.Client | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.transport = transport
+        if spec.mode == "command":
+            # No server: the HTTP half of the class stays unused.
+            self.name, self.spec, self.api_key, self.timeout = name, spec, api_key, timeout
+            self.http = None  # type: ignore[assignment]
+            return
+        super().__init__(name, spec, api_key=api_key, timeout=timeout, client=client)
+
+    @property
+    def where(self) -> str:
+        if self.spec.mode == "command":
+            return f"{self.spec.host}:{self.spec.command_argv[0]}"
+        return super().where
+
+    def close(self) -> None:
+        if self.http is not None:
+            super().close()
+
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            raise BackendError(self.name, self.where, "command mode needs its host's transport")
+        return self.transport
+
+    def run_batch(self, requests: list[GenerateRequest]) -> ResponseFile:
+        """Run the engine's binary once on a batch; every request gets a result or an error."""
+        transport = self._transport()
+        batch = RequestFile(
+            requests=[ContractRequest(id=f"r{i}", **r.model_dump()) for i, r in enumerate(requests)]
+        )
+        token = uuid.uuid4().hex[:12]
+        remote_req = f"{self.spec.workdir.rstrip('/')}/kdctl-{token}.request.json"
+        remote_resp = f"{self.spec.workdir.rstrip('/')}/kdctl-{token}.response.json"
+        argv = [*self.spec.command_argv, "--request", remote_req, "--response", remote_resp]
+        with tempfile.TemporaryDirectory(prefix="kdctl-native-") as tmp:
+            local_req = Path(tmp) / "request.json"
+            local_req.write_text(batch.model_dump_json())
+            try:
+                transport.put(local_req, remote_req, mode=0o600)
+                started = time.monotonic()
+                result = transport.run(argv, timeout=self.spec.command_timeout_s)
+                if result.exit_code != 0:
+                    tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+                    what = {
+                        EXIT_BAD_REQUEST: "refused the request file",
+                        EXIT_ENGINE_FAILURE: "could not run",
+                        127: "is not installed (command not found)",
+                    }.get(result.exit_code, f"exited {result.exit_code}")
+                    raise BackendError(
+                        self.name, self.where, f"the engine {what}: {' | '.join(tail)}"
+                    )
+                local_resp = Path(tmp) / "response.json"
+                transport.get(remote_resp, local_resp)
+                text = local_resp.read_text()
+            finally:
+                transport.run(["rm", "-f", "--", remote_req, remote_resp], timeout=30)
+        try:
+            response = ResponseFile.model_validate(json.loads(text))
+        except (json.JSONDecodeError, ValidationError) as exc:
+            raise BackendProtocolError(
+                self.name, self.where, f"response file breaks the contract: {_first(exc)}"
+            ) from None
+        ids = [r.id for r in response.results]
+        if ids != [r.id for r in batch.requests]:
+            raise BackendProtocolError(
+                self.name, self.where, f"response answers ids {ids[:5]}, not the requests sent"
+            )
+        self.last_batch_s = time.monotonic() - started
+        return response
+
+    def generate(self, req: GenerateRequest) -> GenerateResult:
+        if self.spec.mode != "command":
+            return super().generate(req)
+        (result,) = self.run_batch([req]).results
+        if result.error is not None:
+            raise BackendHTTPError(
+                self.name, self.where, 400, f"{result.error.type}: {result.error.message}"
+            )
+        return GenerateResult.model_validate(
+            result.model_dump(exclude={"id", "error"})
+            | {"finish_reason": result.finish_reason or "length"}
+        )
+
+    def info(self) -> EngineInfo:
+        if self.spec.mode != "command":
+            return super().info()
+        return self.run_batch([]).engine
+
+    def health(self) -> HealthResult:
+        if self.spec.mode != "command":
+            return super().health()
+        started = time.monotonic()
+        try:
+            self.run_batch([])
+        except KdctlError as exc:
+            return HealthResult(state="down", detail=str(exc))
+        return HealthResult(state="up", latency_ms=round((time.monotonic() - started) * 1000, 2))
+
+    def metrics(self) -> dict[str, Any]:
+        return {} if self.spec.mode == "command" else super().metrics()
+
+
+def _first(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        return f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+    return str(exc)

@@ -256,7 +256,9 @@ def test_status_shows_model_version_and_tp(
             },
         },
     )
-    run = kdctl("status", "-i", str(inv), "--json", env={"KDCTL_TEST_CANDIDATE_KEY": "sk-test-7f1e"})
+    run = kdctl(
+        "status", "-i", str(inv), "--json", env={"KDCTL_TEST_CANDIDATE_KEY": "sk-test-7f1e"}
+    )
     assert run.code == 0, run.err
     backends = {b["name"]: b for b in json.loads(run.out)["backends"]}
     base, cand = backends["baseline"], backends["candidate"]

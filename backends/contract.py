@@ -1,0 +1,53 @@
+"""The native engine's command contract: one JSON request file in, one JSON response file out.
+
+docs/native-engine-contract.md is the human-readable version of what this module enforces;
+kdctl's side (the native backend in command mode) and a reference implementation
+(`kdctl reference batch`) both use these models, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kdctl.backends._types import EngineInfo, FinishReason, GenerateRequest, TokenLogprob
+from pydantic import BaseModel, ConfigDict, Field
+
+CONTRACT_VERSION = 1
+
+EXIT_OK = 0  # the response file is written; individual requests may still carry an error
+EXIT_BAD_REQUEST = 2  # the request file is unreadable or invalid; no response file
+EXIT_ENGINE_FAILURE = 3  # the engine could not run (model missing, out of memory, ...)
+
+
+class ContractRequest(GenerateRequest):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+
+
+class RequestFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    contract: Literal[1] = CONTRACT_VERSION
+    requests: list[ContractRequest] = Field(default_factory=list)
+
+
+class ContractError(BaseModel):
+    type: str
+    message: str
+
+
+class ContractResult(BaseModel):
+    id: str
+    output_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
+    error: ContractError | None = None
+
+
+class ResponseFile(BaseModel):
+    contract: Literal[1] = CONTRACT_VERSION
+    engine: EngineInfo
+    results: list[ContractResult] = Field(default_factory=list)

@@ -1,0 +1,90 @@
+"""The native kind in command mode, against a command that wraps the reference model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from kdctl.backends import GenerateRequest, make_backend
+from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
+
+from kdctl.inventory import BackendSpec
+from kdctl.transports import LocalTransport
+from tests.conftest import kdctl
+
+pytest.importorskip("torch")
+
+
+def native(command: list[str], tmp_path: Path) -> object:
+    spec = BackendSpec.model_validate(
+        {
+            "kind": "native",
+            "mode": "command",
+            "host": "local",
+            "command": command,
+            "workdir": str(tmp_path),
+        }
+    )
+    return make_backend("native", spec, transport=LocalTransport("local"))
+
+
+def test_command_mode_matches_the_reference_engine(models: dict[str, Path], tmp_path: Path) -> None:
+    from kdctl.backends.reference.engine import ReferenceEngine
+
+    be = native(
+        [sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(models["dsv3"])],
+        tmp_path,
+    )
+    req = GenerateRequest(input_ids=[40, 41, 42], max_new_tokens=8, top_logprobs=3, ignore_eos=True)
+    got = be.generate(req)  # type: ignore[attr-defined]
+    want = ReferenceEngine(models["dsv3"]).generate(req)
+    assert got.output_ids == want.output_ids
+    assert [t.top for t in got.logprobs] == [t.top for t in want.logprobs]
+    batch = be.run_batch([req, GenerateRequest(input_ids=[10**7], max_new_tokens=2)])  # type: ignore[attr-defined]
+    assert batch.results[0].output_ids == want.output_ids
+    assert batch.results[1].error is not None and "input_ids" in batch.results[1].error.message
+    info = be.info()  # type: ignore[attr-defined]
+    assert info.model == str(models["dsv3"]) and info.context_length == 1024
+    assert be.health().state == "up"  # type: ignore[attr-defined]
+    with pytest.raises(BackendHTTPError, match="invalid_request"):
+        be.generate(GenerateRequest(input_ids=[10**7], max_new_tokens=2))  # type: ignore[attr-defined]
+    assert list(tmp_path.iterdir()) == []  # request and response files cleaned up
+
+
+def test_contract_breaches_are_named(tmp_path: Path) -> None:
+    script = tmp_path / "engine.sh"
+    script.write_text('#!/bin/sh\necho "{\\"contract\\": 1}" > "$4"\n')
+    script.chmod(0o755)
+    with pytest.raises(BackendProtocolError, match="breaks the contract: engine"):
+        native([str(script)], tmp_path).generate(GenerateRequest(input_ids=[1]))  # type: ignore[attr-defined]
+    failing = tmp_path / "fail.sh"
+    failing.write_text("#!/bin/sh\necho 'CUDA out of memory' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(BackendError, match="could not run: CUDA out of memory"):
+        native([str(failing)], tmp_path).generate(GenerateRequest(input_ids=[1]))  # type: ignore[attr-defined]
+    with pytest.raises(BackendError, match="not installed"):
+        native(["kdtree-no-such-binary"], tmp_path).generate(GenerateRequest(input_ids=[1]))  # type: ignore[attr-defined]
+    assert native(["kdtree-no-such-binary"], tmp_path).health().state == "down"  # type: ignore[attr-defined]
+
+
+def test_reference_batch_refuses_a_bad_request_file(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    bad = tmp_path / "req.json"
+    bad.write_text(
+        json.dumps({"contract": 1, "requests": [{"id": "a", "input_ids": [1], "bogus": 1}]})
+    )
+    run = kdctl(
+        "reference",
+        "batch",
+        "--model",
+        str(models["dsv3"]),
+        "--request",
+        str(bad),
+        "--response",
+        str(tmp_path / "resp.json"),
+    )
+    assert run.code == 2 and "not a valid request file" in run.err
+    assert not (tmp_path / "resp.json").exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from importlib.metadata import entry_points
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult, StreamChunk
@@ -14,6 +14,10 @@ from pydantic import SecretStr
 
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
+from kdctl.transports import Transport
+
+if TYPE_CHECKING:
+    from kdctl.backends.lifecycle import ServiceControl
 
 
 class Backend(abc.ABC):
@@ -65,6 +69,12 @@ class Backend(abc.ABC):
     def metrics(self) -> dict[str, Any]:
         """Prometheus metric families by name; empty where the engine exports none."""
         return {}
+
+    def lifecycle(self, transport: Transport) -> ServiceControl:
+        """Start, stop, restart and wait for this engine through its service on `transport`."""
+        from kdctl.backends.lifecycle import ServiceControl
+
+        return ServiceControl(self.name, self.spec, transport, self.health)
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing open
         pass

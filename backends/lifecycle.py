@@ -1,0 +1,145 @@
+"""Starting and stopping an engine through its service, on its host's transport.
+
+These are operations: they change a host. Each one is idempotent (starting a running engine or
+stopping a stopped one does nothing and says so) and quotes every value it sends to the shell.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kdctl.backends.errors import BackendError, BackendTimeout
+from kdctl.backends.health import HealthResult
+
+from kdctl.inventory import BackendSpec, CommandService, SystemdService
+from kdctl.probes import ServiceState, probe_service
+from kdctl.transports import Transport
+
+
+@dataclass(frozen=True)
+class LifecycleResult:
+    action: str
+    changed: bool
+    state: ServiceState
+    detail: str = ""
+
+
+class ServiceControl:
+    def __init__(
+        self,
+        name: str,
+        spec: BackendSpec,
+        transport: Transport,
+        health: Callable[[], HealthResult],
+    ) -> None:
+        if spec.service is None:
+            raise BackendError(name, spec.url or name, "has no service to start or stop")
+        self.name = name
+        self.spec = spec
+        self.service: SystemdService | CommandService = spec.service
+        self.transport = transport
+        self._health = health
+
+    @property
+    def where(self) -> str:
+        return self.spec.url or self.name
+
+    def state(self) -> ServiceState:
+        return probe_service(self.transport, self.service)
+
+    def _systemctl(self, verb: str) -> None:
+        assert isinstance(self.service, SystemdService)
+        argv = ["systemctl"] + (["--user"] if self.service.scope == "user" else [])
+        result = self.transport.run([*argv, verb, "--", self.service.systemd], timeout=120)
+        if not result.ok:
+            raise BackendError(
+                self.name, self.where, f"systemctl {verb} failed: {result.stderr.strip()[-300:]}"
+            )
+
+    def start(self) -> LifecycleResult:
+        before = self.state()
+        if before.state in ("running", "starting"):
+            return LifecycleResult("start", False, before, "already running")
+        if isinstance(self.service, SystemdService):
+            self._systemctl("start")
+        else:
+            self._spawn(self.service)
+        return LifecycleResult("start", True, self.state())
+
+    def _spawn(self, svc: CommandService) -> None:
+        # setsid: the engine outlives the SSH session and leads its own process group, so stop
+        # can signal it together with its children (tokenizer workers, TP ranks).
+        env = [f"{k}={v}" for k, v in sorted(svc.env.items())]
+        command = shlex.join(["env", *env, *svc.argv]) if env else shlex.join(svc.argv)
+        script = (
+            f"cd -- {shlex.quote(svc.workdir or '/')} && "
+            f"setsid {command} >> {shlex.quote(svc.log)} 2>&1 < /dev/null & "
+            f"echo $! > {shlex.quote(svc.pidfile)}"
+        )
+        result = self.transport.run(["sh", "-c", script], timeout=60)
+        if not result.ok:
+            raise BackendError(
+                self.name, self.where, f"could not start: {result.stderr.strip()[-300:]}"
+            )
+
+    def stop(self, *, grace_s: float = 20.0) -> LifecycleResult:
+        before = self.state()
+        if isinstance(self.service, SystemdService):
+            if before.state == "stopped":
+                return LifecycleResult("stop", False, before, "not running")
+            self._systemctl("stop")
+            return LifecycleResult("stop", True, self.state())
+        svc = self.service
+        if before.state != "running" or before.pid is None:
+            self.transport.run(["rm", "-f", "--", svc.pidfile], timeout=30)
+            return LifecycleResult("stop", False, before, "not running")
+        pid = str(before.pid)
+        self.transport.run(["kill", "-TERM", "--", f"-{pid}"], timeout=30)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.transport.run(["test", "-e", f"/proc/{pid}"]).ok:
+            time.sleep(0.1)
+        forced = self.transport.run(["test", "-e", f"/proc/{pid}"]).ok
+        if forced:
+            self.transport.run(["kill", "-KILL", "--", f"-{pid}"], timeout=30)
+        self.transport.run(["rm", "-f", "--", svc.pidfile], timeout=30)
+        detail = f"killed after {grace_s:g}s" if forced else "stopped"
+        return LifecycleResult("stop", True, self.state(), detail)
+
+    def restart(self) -> LifecycleResult:
+        self.stop()
+        started = self.start()
+        return LifecycleResult("restart", True, started.state)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if isinstance(self.service, SystemdService):
+            argv = ["journalctl"] + (["--user"] if self.service.scope == "user" else [])
+            argv += ["-u", self.service.systemd, "-n", str(lines), "--no-pager"]
+        else:
+            argv = ["tail", "-n", str(lines), "--", self.service.log]
+        result = self.transport.run(argv, timeout=30)
+        return result.stdout if result.ok else f"(log unreadable: {result.stderr.strip()})"
+
+    def wait_ready(self, *, deadline_s: float = 300.0, poll_s: float = 0.5) -> HealthResult:
+        """Poll health until `up`; fail early, with the log's tail, if the engine dies."""
+        end = time.monotonic() + deadline_s
+        while True:
+            health = self._health()
+            if health.state == "up":
+                return health
+            if self.state().state in ("stopped", "failed"):
+                raise BackendError(
+                    self.name,
+                    self.where,
+                    f"the engine exited while starting; last log lines:\n{self.log_tail()}",
+                )
+            if time.monotonic() >= end:
+                raise BackendTimeout(
+                    self.name,
+                    self.where,
+                    f"not ready within {deadline_s:g}s ({health.state}: {health.detail}); "
+                    f"last log lines:\n{self.log_tail()}",
+                )
+            time.sleep(poll_s)

@@ -1,0 +1,103 @@
+"""Starting and stopping a reference server through a `command` service, locally and over SSH."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kdctl.backends import make_backend
+from kdctl.backends.errors import BackendError
+
+from kdctl.inventory import BackendSpec, HostSpec
+from kdctl.transports import LocalTransport, Transport
+from kdctl.transports.ssh import SSHTransport
+from tests.support.sshd import SshdFleet, free_port
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture
+def shared_dir(models: dict[str, Path]) -> Iterator[Path]:
+    """A folder both root and the SSH login can use: a copy of the model, pidfile, log."""
+    root = Path(tempfile.mkdtemp(prefix="kdctl-life-"))
+    root.chmod(0o777)
+    shutil.copytree(models["dsv3"], root / "model")
+    for p in [root / "model", *(root / "model").iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def engine_spec(root: Path, port: int, *, model: Path | None = None) -> BackendSpec:
+    return BackendSpec.model_validate(
+        {
+            "kind": "sglang",
+            "host": "h",
+            "url": f"http://127.0.0.1:{port}",
+            "service": {
+                "command": [
+                    sys.executable,
+                    "-m",
+                    "kdctl",
+                    "reference",
+                    "serve",
+                    "--model",
+                    str(model or root / "model"),
+                    "--port",
+                    str(port),
+                ],
+                "pidfile": str(root / "engine.pid"),
+                "log": str(root / "engine.log"),
+                "workdir": str(root),
+                "env": {"KDCTL_TEST_MARKER": "a value; with $(spaces)"},
+            },
+        }
+    )
+
+
+def cycle(transport: Transport, root: Path) -> None:
+    port = free_port()
+    be = make_backend("engine", engine_spec(root, port))
+    control = be.lifecycle(transport)
+    assert control.stop().detail == "not running"  # stopping a stopped engine is no error
+    started = control.start()
+    assert started.changed and started.state.state == "running"
+    assert not control.start().changed  # idempotent
+    health = control.wait_ready(deadline_s=120)
+    assert health.state == "up"
+    pid = control.state().pid
+    env = transport.run(["cat", f"/proc/{pid}/environ"]).stdout.split("\x00")
+    assert "KDCTL_TEST_MARKER=a value; with $(spaces)" in env
+    stopped = control.stop()
+    assert stopped.changed and stopped.state.state == "stopped"
+    assert not transport.run(["test", "-e", f"/proc/{pid}"]).ok
+    assert not (root / "engine.pid").exists()
+    assert be.health().state == "down"
+
+
+def test_lifecycle_locally(shared_dir: Path) -> None:
+    cycle(LocalTransport("local"), shared_dir)
+
+
+def test_lifecycle_over_ssh(fleet: SshdFleet, shared_dir: Path) -> None:
+    # As root: this machine's Python lives under /root, which the plain test login cannot enter.
+    spec = HostSpec.model_validate(fleet.host_entry("plain", user="root"))
+    with SSHTransport(
+        "plain", spec, known_hosts=fleet.known_hosts, identity_file=fleet.userkey
+    ) as t:
+        assert t.run(["id", "-u"]).stdout.strip() == "0"
+        cycle(t, shared_dir)
+
+
+def test_a_crashing_engine_fails_fast_with_its_log(shared_dir: Path) -> None:
+    be = make_backend("engine", engine_spec(shared_dir, free_port(), model=shared_dir / "nope"))
+    control = be.lifecycle(LocalTransport("local"))
+    control.start()
+    with pytest.raises(BackendError, match="exited while starting") as exc:
+        control.wait_ready(deadline_s=60)
+    assert "not a model folder" in str(exc.value)
+    assert control.stop().detail == "not running"

@@ -12,7 +12,7 @@ from typing import Literal
 from kdctl.backends._types import EngineInfo, FinishReason, GenerateRequest, TokenLogprob
 from pydantic import BaseModel, ConfigDict, Field
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION: Literal[1] = 1
 
 EXIT_OK = 0  # the response file is written; individual requests may still carry an error
 EXIT_BAD_REQUEST = 2  # the request file is unreadable or invalid; no response file

@@ -204,6 +204,18 @@ def reference_serve(
     )
 
 
+@reference_app.command("batch")
+def reference_batch(
+    model: Annotated[Path, typer.Option("--model", help="A model folder.")],
+    request: Annotated[Path, typer.Option("--request", help="The contract's request file.")],
+    response: Annotated[Path, typer.Option("--response", help="Where to write the response.")],
+) -> None:
+    """Answer a native-engine contract request file with the reference model."""
+    from kdctl.backends.reference.batch import run_contract
+
+    raise typer.Exit(run_contract(model, request, response))
+
+
 def main() -> None:
     try:
         app()

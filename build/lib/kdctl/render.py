@@ -52,7 +52,8 @@ def status_tables(report: StatusReport) -> Group:
         hosts.add_row(h.name, h.target, Text("yes", "green"), _ms(h.rtt_ms), gpu_text, xid_text)
 
     backends = Table(title="Backends", title_justify="left")
-    for col in ("backend", "kind", "url", "state", "latency", "model", "TP", "service", "detail"):
+    cols = ("backend", "kind", "url", "state", "latency", "model", "version", "TP", "service")
+    for col in (*cols, "detail"):
         backends.add_column(col)
     for b in report.backends:
         state = Text(b.state, _STATE_STYLE.get(b.state, ""))
@@ -66,6 +67,7 @@ def status_tables(report: StatusReport) -> Group:
             state,
             _ms(b.latency_ms),
             b.model or "-",
+            b.version or "-",
             str(b.tp_size),
             service,
             b.detail or "",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Literal
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
-from kdctl.backends import probe_health
+from kdctl.backends import make_backend, probe_health
 from kdctl.backends.health import BackendState
+from kdctl.errors import KdctlError
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.probes import (
     GpuProbe,
@@ -44,7 +46,11 @@ class BackendStatus(BaseModel):
     http_status: int | None = None
     detail: str | None = None
     model: str | None = None
+    served_name: str | None = None
+    version: str | None = None
     tp_size: int
+    context_length: int | None = None
+    identity: Literal["live", "declared"] = "declared"
     service: ServiceState | None = None
 
 
@@ -88,6 +94,37 @@ def _declared(name: str, spec: BackendSpec) -> BackendStatus:
     )
 
 
+def _identify(
+    status: BackendStatus,
+    spec: BackendSpec,
+    name: str,
+    api_key: SecretStr | None,
+    client: httpx.Client,
+    *,
+    timeout: float,
+) -> None:
+    """Fill in what the engine says it is, and flag where that contradicts the inventory."""
+    try:
+        with make_backend(name, spec, api_key=api_key, client=client, timeout=timeout) as be:
+            info = be.info()
+    except KdctlError as exc:
+        status.detail = f"engine info unavailable: {exc}"
+        return
+    status.identity = "live"
+    status.model = info.model or status.model
+    status.served_name = info.served_name
+    status.version = info.version
+    status.context_length = info.context_length
+    notes = []
+    if info.tp_size is not None:
+        if info.tp_size != spec.tp_size:
+            notes.append(f"engine reports TP {info.tp_size}, inventory says {spec.tp_size}")
+        status.tp_size = info.tp_size
+    if spec.model and info.model and info.model != spec.model:
+        notes.append(f"engine serves {info.model}, inventory says {spec.model}")
+    status.detail = "; ".join(notes) or None
+
+
 def collect_status(
     inventory: LoadedInventory, *, deadline_s: float = 20.0, max_workers: int = 32
 ) -> StatusReport:
@@ -126,13 +163,15 @@ def collect_status(
             if spec.url is None:
                 base.detail = "no URL: not a served engine"
                 return base
-            health = probe_health(
-                client, spec.url, api_key=inventory.api_key(name), timeout=min(deadline_s, 10.0)
-            )
-            return base.model_copy(
+            api_key = inventory.api_key(name)
+            health = probe_health(client, spec.url, api_key=api_key, timeout=min(deadline_s, 10.0))
+            status = base.model_copy(
                 update=health.model_dump(exclude={"status_code"})
                 | {"http_status": health.status_code}
             )
+            if health.state == "up":
+                _identify(status, spec, name, api_key, client, timeout=min(deadline_s, 10.0))
+            return status
 
         # Hosts and backends go out together: a slow engine should not wait behind SSH.
         jobs = [("host", h) for h in inventory.hosts] + [("backend", b) for b in inventory.backends]

@@ -132,6 +132,16 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             yield (*at, "host"), _unknown("host", be.host, hosts)
         if be.mode is not None and be.kind != "native":
             yield (*at, "mode"), "only a 'native' backend has a mode"
+        if be.mode == "command" and not be.command:
+            yield at, "a native backend in command mode needs 'command' (the engine's binary)"
+        if be.command is not None and be.mode != "command":
+            yield (*at, "command"), "'command' is for a native backend in command mode"
+        if be.command is not None:
+            try:
+                if not be.command_argv:
+                    yield (*at, "command"), "must not be empty"
+            except ValueError as exc:
+                yield (*at, "command"), f"cannot be split into arguments: {exc}"
         needs_url = be.kind in _URL_KINDS or (be.kind == "native" and be.mode != "command")
         if needs_url and not be.url:
             yield at, f"a {be.kind!r} backend needs a 'url'"

@@ -188,6 +188,17 @@ class BackendSpec(_Model):
     model: str | None = None
     served_model_name: str | None = None
     service: Service | None = None
+    # `native` in command mode: the engine's binary, run once per batch of requests
+    # (docs/native-engine-contract.md). kdctl appends --request FILE --response FILE.
+    command: str | list[str] | None = None
+    workdir: HostPath = "/tmp"
+    command_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+
+    @property
+    def command_argv(self) -> list[str]:
+        if self.command is None:
+            return []
+        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
 
 
 class RouterSpec(_Model):

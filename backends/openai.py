@@ -19,9 +19,18 @@ from kdctl.backends._types import (
 from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult, probe_health
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 
 from kdctl.inventory import BackendSpec
+
+
+class ChatResult(BaseModel):
+    content: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    first_token_at: float | None = None
+
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
@@ -169,6 +178,42 @@ class OpenAIBackend(Backend):
                 if reason
                 else None,
             )
+
+    def chat(
+        self, messages: list[dict[str, str]], *, max_tokens: int = 16, temperature: float = 0.0
+    ) -> ChatResult:
+        """One chat completion, streamed with `include_usage`, as chat clients call it."""
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        parts: list[str] = []
+        first: float | None = None
+        finish = None
+        usage: dict[str, Any] = {}
+        for at, data in self.http.events("/v1/chat/completions", body):
+            for choice in data.get("choices") or []:
+                delta = (choice.get("delta") or {}).get("content") or ""
+                if delta and first is None:
+                    first = at
+                parts.append(delta)
+                finish = choice.get("finish_reason") or finish
+            usage = data.get("usage") or usage
+        if not usage:
+            raise BackendProtocolError(
+                self.name, self.http.url("/v1/chat/completions"), "no usage chunk in the stream"
+            )
+        return ChatResult(
+            content="".join(parts),
+            finish_reason=finish,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            first_token_at=first,
+        )
 
     def metrics(self) -> dict[str, Any]:
         try:

@@ -18,6 +18,7 @@ from kdctl.backends._types import (
 )
 from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult, probe_health
+from kdctl.backends.openai import OpenAIBackend
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
@@ -44,8 +45,25 @@ class SGLangBackend(Backend):
     def close(self) -> None:
         self.http.close()
 
-    def health(self) -> HealthResult:
-        return probe_health(self.http._client, self.http.base_url, api_key=self.api_key)
+    def health(self, *, generate: bool = False) -> HealthResult:
+        """`/health`, or with `generate` `/health_generate`, which SGLang always answers by
+        running a one-token generation (newer releases may skip it on plain `/health`)."""
+        return probe_health(
+            self.http._client,
+            self.http.base_url,
+            api_key=self.api_key,
+            path="/health_generate" if generate else "/health",
+        )
+
+    def openai(self) -> OpenAIBackend:
+        """The same server through its OpenAI routes (`/v1/completions`, `/v1/chat/...`)."""
+        return OpenAIBackend(
+            self.name,
+            self.spec,
+            api_key=self.api_key,
+            timeout=self.timeout,
+            client=self.http._client,
+        )
 
     def _info(self, new: str, old: str) -> dict[str, Any]:
         # Newer SGLang serves /server_info and /model_info, older only the /get_ names.

@@ -269,3 +269,29 @@ def test_status_shows_model_version_and_tp(
     assert cand["model"] == str(models["dsv3-int4"]) and cand["tp_size"] == 1
     assert cand["detail"] == "engine reports TP 1, inventory says 2"
     assert "sk-test-7f1e" not in run.out + run.err
+
+
+def test_sglang_health_generate_and_openai_routes(reference_server: Served) -> None:
+    with make_backend("sglang", spec("sglang", reference_server.url)) as be:
+        assert be.health(generate=True).state == "up"  # type: ignore[call-arg]
+        oa = be.openai()  # type: ignore[attr-defined]
+        chat = oa.chat([{"role": "user", "content": "def main():"}], max_tokens=6)
+        assert chat.completion_tokens == 6 and chat.prompt_tokens > 0
+        assert chat.finish_reason == "length" and chat.first_token_at is not None
+        completion = oa.generate(GREEDY)
+        assert completion.output_ids == be.generate(GREEDY).output_ids
+
+
+def test_concurrent_requests_are_each_correct(reference_server: Served, engine) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(6)]
+    reqs = [GenerateRequest(input_ids=p, max_new_tokens=6, ignore_eos=True) for p in prompts]
+    want = [engine.generate(r).output_ids for r in reqs]
+    with (
+        make_backend("sglang", spec("sglang", reference_server.url)) as be,
+        ThreadPoolExecutor(6) as pool,
+    ):
+        got = list(pool.map(lambda r: be.generate(r).output_ids, reqs))
+        streamed = list(pool.map(lambda r: [i for c in be.stream(r) for i in c.output_ids], reqs))
+    assert got == want and streamed == want

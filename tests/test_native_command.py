@@ -88,3 +88,40 @@ def test_reference_batch_refuses_a_bad_request_file(
     )
     assert run.code == 2 and "not a valid request file" in run.err
     assert not (tmp_path / "resp.json").exists()
+
+
+def test_command_mode_over_ssh(fleet, models: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    from kdctl.inventory import HostSpec
+    from kdctl.transports.ssh import SSHTransport
+
+    # As root: this machine's Python lives under /root, which the plain test login cannot enter.
+    host = HostSpec.model_validate(fleet.host_entry("plain", user="root"))
+    spec = BackendSpec.model_validate(
+        {
+            "kind": "native",
+            "mode": "command",
+            "host": "plain",
+            "workdir": "/tmp",
+            "command": [
+                sys.executable,
+                "-m",
+                "kdctl",
+                "reference",
+                "batch",
+                "--model",
+                str(models["dsv3"]),
+            ],
+        }
+    )
+    with SSHTransport(
+        "plain", host, known_hosts=fleet.known_hosts, identity_file=fleet.userkey
+    ) as t:
+        be = make_backend("native", spec, transport=t)
+        got = be.generate(
+            GenerateRequest(input_ids=[40, 41, 42], max_new_tokens=5, ignore_eos=True)
+        )
+        assert got.completion_tokens == 5
+        assert be.info().model == str(models["dsv3"])
+        # The host is this machine: its /tmp holds no request or response file afterwards.
+        assert not list(Path("/tmp").glob("kdctl-*.request.json"))
+        assert not list(Path("/tmp").glob("kdctl-*.response.json"))

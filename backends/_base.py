@@ -8,10 +8,10 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
-from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult, StreamChunk
-from kdctl.backends.health import HealthResult
 from pydantic import SecretStr
 
+from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult, StreamChunk
+from kdctl.backends.health import HealthResult
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 from kdctl.transports import Transport
@@ -124,6 +124,9 @@ def backend_class(kind: str) -> type[Backend]:
 def make_backend(name: str, spec: BackendSpec, **kwargs: Any) -> Backend:
     """A backend for an inventory entry; `transport` reaches kinds that run on the host."""
     cls = backend_class(spec.kind)
-    if "transport" in kwargs and spec.kind != "native":
-        kwargs.pop("transport")
+    if spec.kind == "native" and spec.mode == "command":
+        from kdctl.backends.native import NativeCommandBackend
+
+        return NativeCommandBackend(name, spec, **kwargs)
+    kwargs.pop("transport", None)
     return cls(name, spec, **kwargs)

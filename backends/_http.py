@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
+
 from kdctl.backends.errors import (
     BackendAuthError,
     BackendError,
@@ -17,7 +19,6 @@ from kdctl.backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
-from pydantic import SecretStr
 
 
 class HttpSession:

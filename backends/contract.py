@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from kdctl.backends._types import EngineInfo, FinishReason, GenerateRequest, TokenLogprob
 from pydantic import BaseModel, ConfigDict, Field
+
+from kdctl.backends._types import EngineInfo, FinishReason, GenerateRequest, TokenLogprob
 
 CONTRACT_VERSION: Literal[1] = 1
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.backends.health import HealthResult
-
 from kdctl.inventory import BackendSpec, CommandService, SystemdService
 from kdctl.probes import ServiceState, probe_service
 from kdctl.transports import Transport

@@ -12,9 +12,11 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import httpx
+from pydantic import SecretStr, ValidationError
+
+from kdctl.backends._base import Backend
 from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult
 from kdctl.backends.contract import (
     EXIT_BAD_REQUEST,
@@ -26,14 +28,20 @@ from kdctl.backends.contract import (
 from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult
 from kdctl.backends.sglang import SGLangBackend
-from pydantic import SecretStr, ValidationError
-
 from kdctl.errors import KdctlError
 from kdctl.inventory import BackendSpec
 from kdctl.transports import Transport
 
 
 class NativeBackend(SGLangBackend):
+    """`mode: http`: the engine serves SGLang's API; this is that client under its own name."""
+
+    kind = "native"
+
+
+class NativeCommandBackend(Backend):
+    """`mode: command`: one run of the engine's binary per batch of requests."""
+
     kind = "native"
 
     def __init__(
@@ -46,23 +54,13 @@ class NativeBackend(SGLangBackend):
         client: httpx.Client | None = None,
         transport: Transport | None = None,
     ) -> None:
+        super().__init__(name, spec, api_key=api_key, timeout=timeout)
         self.transport = transport
-        if spec.mode == "command":
-            # No server: the HTTP half of the class stays unused.
-            self.name, self.spec, self.api_key, self.timeout = name, spec, api_key, timeout
-            self.http = None  # type: ignore[assignment]
-            return
-        super().__init__(name, spec, api_key=api_key, timeout=timeout, client=client)
+        self.last_batch_s: float | None = None
 
     @property
     def where(self) -> str:
-        if self.spec.mode == "command":
-            return f"{self.spec.host}:{self.spec.command_argv[0]}"
-        return super().where
-
-    def close(self) -> None:
-        if self.http is not None:
-            super().close()
+        return f"{self.spec.host}:{self.spec.command_argv[0]}"
 
     def _transport(self) -> Transport:
         if self.transport is None:
@@ -76,15 +74,16 @@ class NativeBackend(SGLangBackend):
             requests=[ContractRequest(id=f"r{i}", **r.model_dump()) for i, r in enumerate(requests)]
         )
         token = uuid.uuid4().hex[:12]
-        remote_req = f"{self.spec.workdir.rstrip('/')}/kdctl-{token}.request.json"
-        remote_resp = f"{self.spec.workdir.rstrip('/')}/kdctl-{token}.response.json"
+        workdir = self.spec.workdir.rstrip("/")
+        remote_req = f"{workdir}/kdctl-{token}.request.json"
+        remote_resp = f"{workdir}/kdctl-{token}.response.json"
         argv = [*self.spec.command_argv, "--request", remote_req, "--response", remote_resp]
+        started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="kdctl-native-") as tmp:
             local_req = Path(tmp) / "request.json"
             local_req.write_text(batch.model_dump_json())
             try:
                 transport.put(local_req, remote_req, mode=0o600)
-                started = time.monotonic()
                 result = transport.run(argv, timeout=self.spec.command_timeout_s)
                 if result.exit_code != 0:
                     tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
@@ -101,6 +100,7 @@ class NativeBackend(SGLangBackend):
                 text = local_resp.read_text()
             finally:
                 transport.run(["rm", "-f", "--", remote_req, remote_resp], timeout=30)
+        self.last_batch_s = time.monotonic() - started
         try:
             response = ResponseFile.model_validate(json.loads(text))
         except (json.JSONDecodeError, ValidationError) as exc:
@@ -112,39 +112,28 @@ class NativeBackend(SGLangBackend):
             raise BackendProtocolError(
                 self.name, self.where, f"response answers ids {ids[:5]}, not the requests sent"
             )
-        self.last_batch_s = time.monotonic() - started
         return response
 
     def generate(self, req: GenerateRequest) -> GenerateResult:
-        if self.spec.mode != "command":
-            return super().generate(req)
         (result,) = self.run_batch([req]).results
         if result.error is not None:
             raise BackendHTTPError(
                 self.name, self.where, 400, f"{result.error.type}: {result.error.message}"
             )
-        return GenerateResult.model_validate(
-            result.model_dump(exclude={"id", "error"})
-            | {"finish_reason": result.finish_reason or "length"}
-        )
+        fields = result.model_dump(exclude={"id", "error"})
+        fields["finish_reason"] = result.finish_reason or "length"
+        return GenerateResult.model_validate(fields)
 
     def info(self) -> EngineInfo:
-        if self.spec.mode != "command":
-            return super().info()
         return self.run_batch([]).engine
 
     def health(self) -> HealthResult:
-        if self.spec.mode != "command":
-            return super().health()
         started = time.monotonic()
         try:
             self.run_batch([])
         except KdctlError as exc:
             return HealthResult(state="down", detail=str(exc))
         return HealthResult(state="up", latency_ms=round((time.monotonic() - started) * 1000, 2))
-
-    def metrics(self) -> dict[str, Any]:
-        return {} if self.spec.mode == "command" else super().metrics()
 
 
 def _first(exc: Exception) -> str:

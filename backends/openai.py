@@ -7,6 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, SecretStr
+
 from kdctl.backends._base import Backend
 from kdctl.backends._http import HttpSession
 from kdctl.backends._types import (
@@ -18,9 +21,6 @@ from kdctl.backends._types import (
 )
 from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult, probe_health
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, SecretStr
-
 from kdctl.inventory import BackendSpec
 
 

@@ -6,6 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+
 from kdctl.backends._base import Backend
 from kdctl.backends._http import HttpSession
 from kdctl.backends._types import (
@@ -19,9 +22,6 @@ from kdctl.backends._types import (
 from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult, probe_health
 from kdctl.backends.openai import OpenAIBackend
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
-
 from kdctl.inventory import BackendSpec
 
 

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
+
 from kdctl.backends import GenerateRequest
 from kdctl.backends._base import backend_class, make_backend
 from kdctl.backends.errors import (
@@ -18,8 +20,6 @@ from kdctl.backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
-from pydantic import SecretStr
-
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 from tests.conftest import Served
@@ -142,6 +142,7 @@ def test_bad_request_is_typed(reference_server: Served) -> None:
 
 def test_starting_server_is_not_ready_not_down(models: dict[str, Path]) -> None:
     import uvicorn
+
     from kdctl.backends.reference.server import create_app
 
     port = free_port()

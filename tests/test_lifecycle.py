@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kdctl.backends import make_backend
 from kdctl.backends.errors import BackendError
-
 from kdctl.inventory import BackendSpec, HostSpec
 from kdctl.transports import LocalTransport, Transport
 from kdctl.transports.ssh import SSHTransport

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kdctl.backends import GenerateRequest, make_backend
 from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
-
 from kdctl.inventory import BackendSpec
 from kdctl.transports import LocalTransport
 from tests.conftest import kdctl

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kdctl.backends import GenerateRequest, make_backend
 
+from kdctl.backends import GenerateRequest, make_backend
 from kdctl.inventory import BackendSpec
 from tests.conftest import kdctl, wait_http, write_inventory
 from tests.support.sshd import free_port

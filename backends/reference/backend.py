@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
+from kdctl import __version__
 from kdctl.backends._base import Backend
 from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult
 from kdctl.backends.health import HealthResult
 from kdctl.backends.reference.engine import ReferenceEngine
-from pydantic import SecretStr
-
-from kdctl import __version__
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 

@@ -12,6 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from kdctl import __version__
 from kdctl.backends._types import EngineInfo
 from kdctl.backends.contract import (
     EXIT_BAD_REQUEST,
@@ -22,9 +25,6 @@ from kdctl.backends.contract import (
     RequestFile,
     ResponseFile,
 )
-from pydantic import ValidationError
-
-from kdctl import __version__
 from kdctl.errors import InputError
 
 

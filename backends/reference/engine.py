@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from kdctl.backends._types import GenerateRequest, GenerateResult, TokenLogprob
-
 from kdctl.errors import InputError
 
 

@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kdctl.backends._types import GenerateRequest, GenerateResult
-from kdctl.backends.reference.engine import ReferenceEngine, final
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -30,6 +28,8 @@ from prometheus_client import (
 from pydantic import ValidationError
 
 from kdctl import __version__
+from kdctl.backends._types import GenerateRequest, GenerateResult
+from kdctl.backends.reference.engine import ReferenceEngine, final
 from kdctl.errors import InputError
 
 VERSION = f"kdctl-reference {__version__}"

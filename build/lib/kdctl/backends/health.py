@@ -19,7 +19,12 @@ class HealthResult(BaseModel):
 
 
 def probe_health(
-    client: httpx.Client, url: str, *, api_key: SecretStr | None = None, timeout: float = 5.0
+    client: httpx.Client,
+    url: str,
+    *,
+    api_key: SecretStr | None = None,
+    timeout: float = 5.0,
+    path: str = "/health",
 ) -> HealthResult:
     """GET `{url}/health`: 200 is up; 503 is starting (SGLang answers it while loading).
 
@@ -29,7 +34,7 @@ def probe_health(
     headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
     started = time.monotonic()
     try:
-        resp = client.get(f"{url}/health", headers=headers, timeout=timeout)
+        resp = client.get(f"{url}{path}", headers=headers, timeout=timeout)
     except httpx.ConnectError as exc:
         reason = "connection refused" if "refused" in str(exc).lower() else f"unreachable: {exc}"
         return HealthResult(state="down", detail=reason)

@@ -184,3 +184,19 @@ def keyed_server(models: dict[str, Path]) -> Iterator[Served]:
     yield served
     served.proc.terminate()
     served.proc.wait(10)
+
+
+_FINDINGS: list[str] = []
+
+
+@pytest.fixture
+def report() -> Any:
+    """Record a measured finding; they are printed together at the end of the run."""
+    return _FINDINGS.append
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FINDINGS:
+        terminalreporter.section("findings")
+        for line in _FINDINGS:
+            terminalreporter.write_line(line)

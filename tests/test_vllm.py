@@ -7,6 +7,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,7 +82,7 @@ def spec(url: str) -> BackendSpec:
     return BackendSpec.model_validate({"kind": "openai", "host": "local", "url": url})
 
 
-def test_openai_kind_against_vllm(vllm: str, llama: Path) -> None:
+def test_openai_kind_against_vllm(vllm: str, llama: Path, report: Any) -> None:
     from kdctl.backends.reference.engine import ReferenceEngine
 
     req = GenerateRequest(
@@ -91,6 +92,7 @@ def test_openai_kind_against_vllm(vllm: str, llama: Path) -> None:
         info = be.info()
         assert info.served_name == "tiny" and info.context_length == 1024
         assert info.version  # vLLM's /version
+        got_version = info.version
         got = be.generate(req)
         chunks = list(be.stream(req))
         assert be.health().state == "up"
@@ -120,9 +122,10 @@ def test_openai_kind_against_vllm(vllm: str, llama: Path) -> None:
         else 0.0
     )
     # Reported, not required: vLLM's CPU kernels are not the reference's.
-    print(
-        f"\nvLLM vs reference, greedy, 16 tokens: {matched} identical before the first divergence; "
-        f"largest logprob difference on them {worst:.2e}"
+    report(
+        f"vLLM {got_version} vs the reference engine, same tiny Llama, greedy, 16 tokens: "
+        f"{matched} identical before the first divergence; largest logprob difference on "
+        f"them {worst:.2e}"
     )
 
 

@@ -10,6 +10,7 @@ demo: bootstrap
 	@scripts/demo
 
 test: bootstrap
+	@scripts/bootstrap-vllm
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: bootstrap

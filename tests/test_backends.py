@@ -296,3 +296,53 @@ def test_concurrent_requests_are_each_correct(reference_server: Served, engine) 
         got = list(pool.map(lambda r: be.generate(r).output_ids, reqs))
         streamed = list(pool.map(lambda r: [i for c in be.stream(r) for i in c.output_ids], reqs))
     assert got == want and streamed == want
+
+
+def test_reference_kind_in_process(models: dict[str, Path], engine) -> None:  # type: ignore[no-untyped-def]
+    be = make_backend(
+        "oracle",
+        BackendSpec.model_validate(
+            {"kind": "reference", "host": "local", "model": str(models["dsv3"])}
+        ),
+    )
+    assert be.health().state == "up"
+    info = be.info()
+    assert info.model == str(models["dsv3"]) and info.context_length == 1024 and info.tp_size == 1
+    got = be.generate(GREEDY)
+    assert got.output_ids == engine.generate(GREEDY).output_ids
+    assert [c.output_ids for c in be.stream(GREEDY)] == [got.output_ids]
+
+
+def test_backend_kinds_from_entry_points(tmp_path: Path) -> None:
+    """A kind another distribution registers is known to the registry and the inventory."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "kdctl_tgi").mkdir()
+    (tmp_path / "kdctl_tgi" / "__init__.py").write_text(
+        "from kdctl.backends.openai import OpenAIBackend\n"
+        "class TGIBackend(OpenAIBackend):\n    kind = 'tgi'\n"
+    )
+    dist = tmp_path / "kdctl_tgi-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kdctl-tgi\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[kdctl.backends]\ntgi = kdctl_tgi:TGIBackend\n")
+    (tmp_path / "inv.yaml").write_text(
+        "hosts: {h: {transport: local}}\nbackends: {t: {kind: tgi, host: h, url: 'http://127.0.0.1:1'}}\n"
+    )
+    code = textwrap.dedent(
+        f"""
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        from pathlib import Path
+        from kdctl.backends import backend_class
+        from kdctl.inventory import load_inventory, backend_kinds
+        assert "tgi" in backend_kinds()
+        assert backend_class("tgi").__name__ == "TGIBackend"
+        inv = load_inventory(Path({str(tmp_path / "inv.yaml")!r}))
+        print(inv.backends["t"].kind)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "tgi"

@@ -72,6 +72,12 @@ def cycle(transport: Transport, root: Path) -> None:
     pid = control.state().pid
     env = transport.run(["cat", f"/proc/{pid}/environ"]).stdout.split("\x00")
     assert "KDCTL_TEST_MARKER=a value; with $(spaces)" in env
+    restarted = control.restart()
+    assert restarted.state.state == "running" and restarted.state.pid != pid
+    assert not transport.run(["test", "-e", f"/proc/{pid}"]).ok
+    assert control.wait_ready(deadline_s=120).state == "up"
+    pid = control.state().pid
+    assert f"ready: {be.spec.url}" in control.log_tail()
     stopped = control.stop()
     assert stopped.changed and stopped.state.state == "stopped"
     assert not transport.run(["test", "-e", f"/proc/{pid}"]).ok

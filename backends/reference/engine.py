@@ -7,6 +7,7 @@ a torch.Generator seeded per request, so a seed repeats exactly.
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from collections.abc import Iterator
@@ -43,6 +44,9 @@ class ReferenceEngine:
         self.config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
         self.eos_ids = {self.tokenizer.eos_token_id} - {None}
         self.context_length = int(self.config.get("max_position_embeddings") or 2048)
+        # transformers 5 renamed the KV cache argument and output from past_key_values to cache.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         # One generation at a time: the model is shared and correctness beats speed here.
         self.lock = threading.Lock()
 
@@ -79,8 +83,8 @@ class ReferenceEngine:
             ids = torch.tensor([prompt], device=self.device)
             past = None
             for _ in range(req.max_new_tokens):
-                step = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = step.past_key_values
+                step = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past})
+                past = getattr(step, self._cache_arg)
                 logits = step.logits[0, -1].float()
                 logprobs = torch.log_softmax(logits, dim=-1)
                 token = self._choose(logits, req, gen)

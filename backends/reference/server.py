@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -71,11 +72,20 @@ class _State:
             registry=self.registry,
         ).labels(served_name)
 
-    def load(self) -> None:
+    def load(self, ready_line: str | None) -> None:
         try:
             self.engine = ReferenceEngine(self.model_dir, device=self.device, dtype=self.dtype)
         except Exception as exc:  # reported on /health, the server keeps answering
             self.load_error = f"{type(exc).__name__}: {exc}"
+            print(
+                f"kdctl reference server: cannot load the model: {self.load_error}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if ready_line:
+            # What a log watcher waits for, as SGLang's "fired up and ready to roll".
+            print(ready_line, file=sys.stderr, flush=True)
 
 
 def create_app(
@@ -86,6 +96,7 @@ def create_app(
     device: str = "cpu",
     dtype: str = "float32",
     load_delay_s: float = 0.0,
+    ready_line: str | None = None,
 ) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -96,7 +107,7 @@ def create_app(
 
     def _load() -> None:
         time.sleep(load_delay_s)
-        state.load()
+        state.load(ready_line)
 
     threading.Thread(target=_load, name="kdctl-reference-load", daemon=True).start()
 
@@ -503,6 +514,11 @@ def serve(
     if not (model_dir / "config.json").is_file():
         raise InputError(f"--model: {model_dir} is not a model folder (no config.json)")
     app = create_app(
-        model_dir, served_name=served_name, api_key=api_key, device=device, dtype=dtype
+        model_dir,
+        served_name=served_name,
+        api_key=api_key,
+        device=device,
+        dtype=dtype,
+        ready_line=f"kdctl reference server: ready: http://{host}:{port}",
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

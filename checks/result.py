@@ -1,0 +1,105 @@
+"""What a gate decides: a GateResult, with the measurements behind it and where they came from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Verdict = Literal["pass", "fail", "inconclusive", "error", "skipped"]
+Comparison = Literal[">=", "<=", ">", "<", "=="]
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Metric(BaseModel):
+    """One measured value and, where it decides the verdict, its threshold."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    value: float | int | str | None
+    unit: str | None = None
+    threshold: float | int | None = None
+    comparison: Comparison | None = None
+
+    @property
+    def passed(self) -> bool | None:
+        if (
+            self.threshold is None
+            or self.comparison is None
+            or not isinstance(self.value, int | float)
+        ):
+            return None
+        v, t = float(self.value), float(self.threshold)
+        return {
+            ">=": v >= t,
+            "<=": v <= t,
+            ">": v > t,
+            "<": v < t,
+            "==": v == t,
+        }[self.comparison]
+
+
+class Provenance(BaseModel):
+    """What was measured: evidence counts only while this still describes what is deployed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine_version: str | None = None
+    model_path: str | None = None
+    config_hash: str | None = None
+    host: str | None = None
+    gpus: list[int] = Field(default_factory=list)
+    tp_size: int | None = None
+    workload_hash: str | None = None
+    kdctl_version: str | None = None
+
+
+class GateResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    gate: str
+    backend: str
+    baseline: str | None = None
+    verdict: Verdict
+    metrics: list[Metric] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list)
+    provenance: Provenance = Field(default_factory=Provenance)
+    details: dict[str, Any] = Field(default_factory=dict)
+    started_at: datetime
+    ended_at: datetime
+
+    def metric(self, name: str) -> Metric | None:
+        return next((m for m in self.metrics if m.name == name), None)
+
+
+def content_hash(data: Any) -> str:
+    """sha256 of a value's canonical JSON: the same content, the same hash, on any machine."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+BaselineKind = Literal["golden", "throughput"]
+
+
+class Baseline(BaseModel):
+    """What the engine serving today produced, kept so a candidate can be compared with it later,
+    when both cannot run at once on the same GPUs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    backend: str
+    kind: BaselineKind
+    workload_hash: str
+    provenance: Provenance = Field(default_factory=Provenance)
+    created_at: datetime = Field(default_factory=utcnow)
+    payload: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,23 @@
+"""Evidence: every gate result and baseline, with provenance, in an SQLite file."""
+
+from kdctl.evidence.freshness import Freshness, freshness
+from kdctl.evidence.store import DB_NAME, EvidenceStore
+from kdctl.evidence.transfer import (
+    ENV_KEY,
+    EvidenceFile,
+    export_evidence,
+    import_evidence,
+    read_evidence_file,
+)
+
+__all__ = [
+    "DB_NAME",
+    "ENV_KEY",
+    "EvidenceFile",
+    "EvidenceStore",
+    "Freshness",
+    "export_evidence",
+    "freshness",
+    "import_evidence",
+    "read_evidence_file",
+]

@@ -1,0 +1,40 @@
+"""The evidence database's schema, as an ordered list of migrations.
+
+A database records the version it is at; opening it applies every later migration in one
+transaction. Never edit a released migration: add the next one.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: list[str] = [
+    # 1: gate results
+    """
+    CREATE TABLE results (
+        id TEXT PRIMARY KEY,
+        gate TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        baseline TEXT,
+        verdict TEXT NOT NULL,
+        started_at TEXT NOT NULL,
+        ended_at TEXT NOT NULL,
+        body TEXT NOT NULL,
+        imported_from TEXT
+    );
+    CREATE INDEX results_by_gate ON results (gate, backend, ended_at);
+    """,
+    # 2: baselines (golden outputs and throughput runs) recorded from the engine serving today
+    """
+    CREATE TABLE baselines (
+        id TEXT PRIMARY KEY,
+        backend TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        workload_hash TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        body TEXT NOT NULL,
+        imported_from TEXT
+    );
+    CREATE INDEX baselines_by_workload ON baselines (backend, kind, workload_hash, created_at);
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)

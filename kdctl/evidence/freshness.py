@@ -1,0 +1,56 @@
+"""Whether a result still counts: young enough, and measured on what is deployed now."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from kdctl.checks.result import GateResult, Provenance, utcnow
+
+# The fields that say "this is the same engine on the same model and hardware".
+_IDENTITY = ("engine_version", "model_path", "config_hash", "host", "gpus", "tp_size")
+
+
+@dataclass(frozen=True)
+class Freshness:
+    fresh: bool
+    reason: str
+    age: timedelta
+
+
+def _age(delta: timedelta) -> str:
+    secs = int(delta.total_seconds())
+    if secs < 120:
+        return f"{secs}s"
+    if secs < 7200:
+        return f"{secs // 60}m"
+    if secs < 172800:
+        return f"{secs // 3600}h"
+    return f"{secs // 86400}d"
+
+
+def freshness(
+    result: GateResult,
+    *,
+    window: timedelta,
+    current: Provenance,
+    now: datetime | None = None,
+) -> Freshness:
+    """Stale evidence counts as missing. A field the live deployment cannot report is a
+    mismatch too: a result that cannot be tied to what runs now proves nothing about it."""
+    age = (now or utcnow()) - result.ended_at
+    if age > window:
+        return Freshness(False, f"stale: {_age(age)} old, window {_age(window)}", age)
+    if age < timedelta(0):
+        return Freshness(False, "stale: ended in the future (clock skew?)", age)
+    changed = []
+    for name in _IDENTITY:
+        then, now_value = getattr(result.provenance, name), getattr(current, name)
+        if then in (None, []) and now_value in (None, []):
+            continue
+        if then != now_value:
+            shown_now = "unknown" if now_value in (None, []) else now_value
+            changed.append(f"{name} {then} -> {shown_now}")
+    if changed:
+        return Freshness(False, "stale: deployment changed: " + "; ".join(changed), age)
+    return Freshness(True, f"fresh: {_age(age)} old, window {_age(window)}", age)

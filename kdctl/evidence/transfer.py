@@ -1,0 +1,99 @@
+"""Carrying evidence between machines: a JSON file with a digest of its content.
+
+A result measured on the GPU box or in a CI job is exported there and imported here. The digest
+catches a file edited or damaged on the way; with KDCTL_EVIDENCE_KEY set on both sides it is
+also an HMAC, so only holders of the key can produce a file that imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kdctl import __version__
+from kdctl.checks.result import Baseline, GateResult, content_hash, utcnow
+from kdctl.errors import InputError
+from kdctl.evidence.store import EvidenceStore
+
+ENV_KEY = "KDCTL_EVIDENCE_KEY"
+FORMAT = 1
+
+
+class EvidenceFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["kdctl-evidence"] = "kdctl-evidence"
+    format: Literal[1] = FORMAT
+    exported_at: datetime = Field(default_factory=utcnow)
+    kdctl_version: str = __version__
+    results: list[GateResult] = Field(default_factory=list)
+    baselines: list[Baseline] = Field(default_factory=list)
+    digest: str = ""
+    hmac_sha256: str | None = None
+
+
+def _payload(doc: EvidenceFile) -> dict[str, Any]:
+    return doc.model_dump(mode="json", include={"results", "baselines"})
+
+
+def _mac(key: str, digest: str) -> str:
+    return hmac.new(key.encode(), digest.encode(), hashlib.sha256).hexdigest()
+
+
+def export_evidence(
+    store: EvidenceStore, *, gate: str | None = None, backend: str | None = None
+) -> EvidenceFile:
+    doc = EvidenceFile(
+        results=store.results(gate=gate, backend=backend),
+        baselines=store.baselines(backend=backend) if gate is None else [],
+    )
+    doc.digest = content_hash(_payload(doc))
+    key = os.environ.get(ENV_KEY)
+    if key:
+        doc.hmac_sha256 = _mac(key, doc.digest)
+    return doc
+
+
+def read_evidence_file(path: Path) -> EvidenceFile:
+    """Parse and verify an export; every refusal names the file and what is wrong with it."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}:{exc.lineno}: not JSON: {exc.msg}") from None
+    if not isinstance(raw, dict) or raw.get("kind") != "kdctl-evidence":
+        raise InputError(f'{path}: not a kdctl evidence export (no "kind": "kdctl-evidence")')
+    try:
+        doc = EvidenceFile.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise InputError(f"{path}: {where}: {err['msg']}{more}") from None
+    if not hmac.compare_digest(content_hash(_payload(doc)), doc.digest):
+        raise InputError(
+            f"{path}: the content does not match its digest: the file was changed after export; "
+            "refusing it"
+        )
+    key = os.environ.get(ENV_KEY)
+    if key:
+        if doc.hmac_sha256 is None:
+            raise InputError(f"{path}: {ENV_KEY} is set but the file carries no HMAC; refusing it")
+        if not hmac.compare_digest(_mac(key, doc.digest), doc.hmac_sha256):
+            raise InputError(f"{path}: HMAC does not verify with {ENV_KEY}; refusing it")
+    return doc
+
+
+def import_evidence(store: EvidenceStore, path: Path) -> tuple[int, int]:
+    doc = read_evidence_file(path)
+    return store.merge(doc.results, doc.baselines, source=str(path))

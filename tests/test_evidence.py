@@ -1,0 +1,243 @@
+"""The evidence store: SQLite with WAL and migrations, freshness, export and import."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from kdctl.checks.result import Baseline, GateResult, Metric, Provenance, utcnow
+from kdctl.errors import InputError
+from kdctl.evidence import EvidenceStore, export_evidence, freshness, import_evidence
+from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
+from tests.conftest import kdctl, write_inventory
+
+PROV = Provenance(
+    engine_version="sglang 0.5.23",
+    model_path="/models/Kimi-K2.6-INT4",
+    config_hash="c0ffee",
+    host="ct200",
+    gpus=[0, 1, 2, 3, 4, 5, 6, 7],
+    tp_size=8,
+    workload_hash="w1",
+    kdctl_version="0.1.0",
+)
+
+
+def result(
+    gate: str = "throughput", verdict: str = "pass", age_s: float = 60, **kw: object
+) -> GateResult:
+    end = utcnow() - timedelta(seconds=age_s)
+    return GateResult(
+        gate=gate,
+        backend=str(kw.get("backend", "native")),
+        baseline="sglang",
+        verdict=verdict,  # type: ignore[arg-type]
+        metrics=[
+            Metric(name="output_throughput_ratio", value=1.07, threshold=1.0, comparison=">=")
+        ],
+        reasons=["output token throughput 1.07x the baseline's"],
+        provenance=PROV,
+        started_at=end - timedelta(seconds=30),
+        ended_at=end,
+    )
+
+
+def test_store_round_trip_in_wal_mode(tmp_path: Path) -> None:
+    with EvidenceStore(tmp_path / "state" / "evidence.sqlite") as store:
+        assert store.schema_version == SCHEMA_VERSION
+        old, new = result(age_s=600), result(age_s=5)
+        store.record(old)
+        store.record(new)
+        store.record(result(gate="exactness", backend="candidate"))
+        assert [r.id for r in store.results(gate="throughput")] == [new.id, old.id]
+        assert store.latest("throughput", "native") == new
+        assert store.get(new.id[:10]) == new
+        assert store.get("0" * 32) is None
+        base = Baseline(
+            backend="sglang",
+            kind="golden",
+            workload_hash="w1",
+            provenance=PROV,
+            payload={"prompts": [[1, 2, 3]]},
+        )
+        store.record_baseline(base)
+        assert store.baselines(backend="sglang", kind="golden", workload_hash="w1") == [base]
+        assert store.baselines(workload_hash="other") == []
+    mode = (
+        sqlite3.connect(tmp_path / "state" / "evidence.sqlite")
+        .execute("PRAGMA journal_mode")
+        .fetchone()[0]
+    )
+    assert mode == "wal"
+
+
+def test_an_older_database_is_migrated_with_its_data(tmp_path: Path) -> None:
+    path = tmp_path / "evidence.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(MIGRATIONS[0])
+    db.execute("PRAGMA user_version = 1")
+    kept = result()
+    db.execute(
+        "INSERT INTO results (id, gate, backend, baseline, verdict, started_at, ended_at, body)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            kept.id,
+            kept.gate,
+            kept.backend,
+            kept.baseline,
+            kept.verdict,
+            kept.started_at.isoformat(),
+            kept.ended_at.isoformat(),
+            kept.model_dump_json(),
+        ),
+    )
+    db.commit()
+    db.close()
+    with EvidenceStore(path) as store:
+        assert store.schema_version == SCHEMA_VERSION == 2
+        assert store.results() == [kept]
+        assert store.baselines() == []  # the table migration 2 added
+
+
+def test_a_newer_or_foreign_database_is_refused(tmp_path: Path) -> None:
+    newer = tmp_path / "newer.sqlite"
+    sqlite3.connect(newer).execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(InputError, match="newer than this kdctl understands"):
+        EvidenceStore(newer)
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"this is not sqlite at all" * 100)
+    with pytest.raises(InputError, match="not a kdctl evidence database"):
+        EvidenceStore(junk)
+
+
+def test_freshness_by_age_and_by_provenance() -> None:
+    r = result(age_s=1800)
+    hour = timedelta(hours=1)
+    assert freshness(r, window=hour, current=PROV).fresh
+    stale = freshness(r, window=timedelta(minutes=10), current=PROV)
+    assert not stale.fresh and stale.reason == "stale: 30m old, window 10m"
+    changed = freshness(r, window=hour, current=PROV.model_copy(update={"config_hash": "d00d"}))
+    assert not changed.fresh and "config_hash c0ffee -> d00d" in changed.reason
+    unknown = freshness(r, window=hour, current=PROV.model_copy(update={"engine_version": None}))
+    assert not unknown.fresh and "engine_version sglang 0.5.23 -> unknown" in unknown.reason
+    tp = freshness(
+        r, window=hour, current=PROV.model_copy(update={"tp_size": 4, "gpus": [0, 1, 2, 3]})
+    )
+    assert "tp_size 8 -> 4" in tp.reason and "gpus" in tp.reason
+
+
+def test_export_import_between_machines(tmp_path: Path) -> None:
+    box = EvidenceStore(tmp_path / "box.sqlite")
+    for r in (result(), result(gate="exactness")):
+        box.record(r)
+    box.record_baseline(Baseline(backend="sglang", kind="throughput", workload_hash="w1"))
+    doc = export_evidence(box)
+    path = tmp_path / "evidence.json"
+    path.write_text(doc.model_dump_json())
+    laptop = EvidenceStore(tmp_path / "laptop.sqlite")
+    assert import_evidence(laptop, path) == (3, 0)
+    assert import_evidence(laptop, path) == (0, 3)  # importing twice changes nothing
+    assert sorted(r.id for r in laptop.results()) == sorted(r.id for r in box.results())
+
+
+def _tamper(path: Path, edit: object) -> None:
+    data = json.loads(path.read_text())
+    edit(data)  # type: ignore[operator]
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "needle"),
+    [
+        (
+            "verdict flipped",
+            lambda d: d["results"][0].update(verdict="pass"),
+            "does not match its digest",
+        ),
+        (
+            "metric raised",
+            lambda d: d["results"][0]["metrics"][0].update(value=9.9),
+            "does not match its digest",
+        ),
+        ("bad verdict", lambda d: d["results"][0].update(verdict="great"), "results[0].verdict"),
+        ("not an export", lambda d: d.update(kind="something"), "not a kdctl evidence export"),
+        ("unknown field", lambda d: d["results"][0].update(extra=1), "results[0].extra"),
+    ],
+)
+def test_tampered_or_malformed_imports_are_refused(
+    tmp_path: Path, name: str, edit: object, needle: str
+) -> None:
+    box = EvidenceStore(tmp_path / "box.sqlite")
+    box.record(result(verdict="fail"))
+    path = tmp_path / "e.json"
+    path.write_text(export_evidence(box).model_dump_json())
+    _tamper(path, edit)
+    target = EvidenceStore(tmp_path / "t.sqlite")
+    with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        import_evidence(target, path)
+    assert target.results() == []  # nothing half-applied
+
+
+def test_conflicting_id_refuses_the_whole_file(tmp_path: Path) -> None:
+    a = EvidenceStore(tmp_path / "a.sqlite")
+    first, second = result(), result(gate="exactness")
+    a.record(first)
+    a.record(second)
+    path = tmp_path / "e.json"
+    path.write_text(export_evidence(a).model_dump_json())
+    b = EvidenceStore(tmp_path / "b.sqlite")
+    b.record(second.model_copy(update={"verdict": "fail"}))  # same id, other content
+    with pytest.raises(InputError, match=f"result {second.id} differs"):
+        import_evidence(b, path)
+    assert [r.verdict for r in b.results()] == ["fail"]
+
+
+def test_hmac_when_a_key_is_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    box = EvidenceStore(tmp_path / "box.sqlite")
+    box.record(result())
+    monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "shared-secret")
+    signed = tmp_path / "signed.json"
+    signed.write_text(export_evidence(box).model_dump_json())
+    assert import_evidence(EvidenceStore(tmp_path / "ok.sqlite"), signed) == (1, 0)
+    monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "another")
+    with pytest.raises(InputError, match="HMAC does not verify"):
+        import_evidence(EvidenceStore(tmp_path / "x.sqlite"), signed)
+    monkeypatch.delenv("KDCTL_EVIDENCE_KEY")
+    unsigned = tmp_path / "unsigned.json"
+    unsigned.write_text(export_evidence(box).model_dump_json())
+    monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "shared-secret")
+    with pytest.raises(InputError, match="carries no HMAC"):
+        import_evidence(EvidenceStore(tmp_path / "y.sqlite"), unsigned)
+
+
+def test_evidence_cli(tmp_path: Path) -> None:
+    inv = write_inventory(
+        tmp_path / "inv.yaml", {"hosts": {"h": {"transport": "local"}}, "state_dir": "st"}
+    )
+    with EvidenceStore(tmp_path / "st" / "evidence.sqlite") as store:
+        r = result(verdict="fail")
+        store.record(r)
+    listed = kdctl("evidence", "list", "-i", str(inv), "--json")
+    assert listed.code == 0, listed.err
+    assert [x["id"] for x in json.loads(listed.out)["results"]] == [r.id]
+    shown = kdctl("evidence", "show", r.id[:8], "-i", str(inv))
+    assert shown.code == 0 and "output_throughput_ratio" in shown.out and "fail" in shown.out
+    assert kdctl("evidence", "show", "ffff0000", "-i", str(inv)).code == 2
+    out = tmp_path / "export.json"
+    assert kdctl("evidence", "export", "-i", str(inv), "-o", str(out)).code == 0
+    other = write_inventory(
+        tmp_path / "other.yaml", {"hosts": {"h": {"transport": "local"}}, "state_dir": "st2"}
+    )
+    imported = kdctl("evidence", "import", str(out), "-i", str(other), "--json")
+    assert imported.code == 0 and json.loads(imported.out)["added"] == 1
+    out.write_text(out.read_text().replace('"fail"', '"pass"'))
+    refused = kdctl("evidence", "import", str(out), "-i", str(other))
+    assert refused.code == 2 and "does not match its digest" in refused.err
+    assert "Traceback" not in refused.err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert "bad.json:1: not JSON" in kdctl("evidence", "import", str(bad), "-i", str(other)).err

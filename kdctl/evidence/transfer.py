@@ -23,7 +23,7 @@ from kdctl.errors import InputError
 from kdctl.evidence.store import EvidenceStore
 
 ENV_KEY = "KDCTL_EVIDENCE_KEY"
-FORMAT = 1
+FORMAT: Literal[1] = 1
 
 
 class EvidenceFile(BaseModel):

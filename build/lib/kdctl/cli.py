@@ -24,6 +24,10 @@ app = typer.Typer(
 )
 inventory_app = typer.Typer(help="Validate and summarise the inventory.", no_args_is_help=True)
 app.add_typer(inventory_app, name="inventory")
+evidence_app = typer.Typer(
+    help="Recorded gate results and baselines: list, show, export, import.", no_args_is_help=True
+)
+app.add_typer(evidence_app, name="evidence")
 reference_app = typer.Typer(
     help="The reference model and server (needs the `reference` extra).", no_args_is_help=True
 )
@@ -121,6 +125,98 @@ def inventory_check(
         )
     else:
         out.print(inventory_summary(inv))
+
+
+def _store(inventory: Path | None, state_dir: Path | None) -> Any:
+    from kdctl.evidence import EvidenceStore
+
+    return EvidenceStore.in_state_dir(_load(inventory, state_dir).state_dir)
+
+
+@evidence_app.command("list")
+def evidence_list(
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+    gate: Annotated[str | None, typer.Option("--gate")] = None,
+    backend: Annotated[str | None, typer.Option("--backend")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1)] = 50,
+) -> None:
+    """Gate results, newest first."""
+    from kdctl.render import evidence_table
+
+    with _store(inventory, state_dir) as store:
+        results = store.results(gate=gate, backend=backend, limit=limit)
+    if json_:
+        _print_json({"results": [r.model_dump(mode="json") for r in results]})
+    else:
+        out.print(evidence_table(results))
+
+
+@evidence_app.command("show")
+def evidence_show(
+    result_id: Annotated[str, typer.Argument(help="A result id, or an unambiguous prefix.")],
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """One gate result, whole."""
+    from kdctl.errors import InputError
+    from kdctl.render import evidence_detail
+
+    with _store(inventory, state_dir) as store:
+        result = store.get(result_id)
+    if result is None:
+        raise InputError(f"no result with id {result_id!r}")
+    if json_:
+        _print_json(result)
+    else:
+        out.print(evidence_detail(result))
+
+
+@evidence_app.command("export")
+def evidence_export(
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="File to write [default: stdout].")
+    ] = None,
+    gate: Annotated[str | None, typer.Option("--gate")] = None,
+    backend: Annotated[str | None, typer.Option("--backend")] = None,
+) -> None:
+    """Results and baselines as one JSON file with a digest, to import on another machine."""
+    from kdctl.evidence import export_evidence
+
+    with _store(inventory, state_dir) as store:
+        doc = export_evidence(store, gate=gate, backend=backend)
+    text = doc.model_dump_json(indent=2) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+        return
+    tmp = output.with_name(f".{output.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(output)
+    sys.stderr.write(
+        f"exported {len(doc.results)} result(s) and {len(doc.baselines)} baseline(s) to {output}\n"
+    )
+
+
+@evidence_app.command("import")
+def evidence_import(
+    file: Annotated[Path, typer.Argument(help="A file `kdctl evidence export` wrote.")],
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Add an export's results and baselines, all or none; a changed file is refused."""
+    from kdctl.evidence import import_evidence
+
+    with _store(inventory, state_dir) as store:
+        added, skipped = import_evidence(store, file)
+    if json_:
+        _print_json({"file": str(file), "added": added, "already_present": skipped})
+    else:
+        out.print(f"{file}: {added} record(s) added, {skipped} already present", markup=False)
 
 
 @reference_app.command("make-model")

@@ -6,6 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from kdctl.checks.result import GateResult
 from kdctl.inventory import LoadedInventory
 from kdctl.status import StatusReport
 
@@ -114,3 +115,53 @@ def inventory_summary(inv: LoadedInventory) -> Group:
     if inv.spec.roadmap:
         parts.append(Text(f"roadmap: {inv.spec.roadmap}"))
     return Group(*parts)
+
+
+_VERDICT_STYLE = {
+    "pass": "green",
+    "fail": "red",
+    "inconclusive": "yellow",
+    "error": "magenta",
+    "skipped": "dim",
+}
+
+
+def evidence_table(results: list[GateResult]) -> Table:
+    table = Table(title="Evidence", title_justify="left")
+    for col in ("id", "gate", "backend", "baseline", "verdict", "ended", "reasons"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(
+            r.id[:12],
+            r.gate,
+            r.backend,
+            r.baseline or "-",
+            Text(r.verdict, _VERDICT_STYLE.get(r.verdict, "")),
+            r.ended_at.strftime("%Y-%m-%d %H:%M:%SZ"),
+            Text("; ".join(r.reasons)[:120]),
+        )
+    return table
+
+
+def evidence_detail(r: GateResult) -> Group:
+    head = Text(f"{r.gate} on {r.backend}: ")
+    head.append(r.verdict, _VERDICT_STYLE.get(r.verdict, ""))
+    if r.baseline:
+        head.append(f" (against {r.baseline})")
+    metrics = Table(title="Metrics", title_justify="left")
+    for col in ("metric", "value", "threshold", "ok"):
+        metrics.add_column(col)
+    for m in r.metrics:
+        threshold = f"{m.comparison} {m.threshold}" if m.comparison else "-"
+        ok = {True: Text("yes", "green"), False: Text("no", "red"), None: Text("-")}[m.passed]
+        metrics.add_row(m.name, f"{m.value}{' ' + m.unit if m.unit else ''}", threshold, ok)
+    prov = r.provenance
+    lines = [
+        f"id {r.id}",
+        f"from {r.started_at.isoformat()} to {r.ended_at.isoformat()}",
+        f"engine {prov.engine_version or '?'}, model {prov.model_path or '?'} "
+        f"(config {prov.config_hash or '?'}), host {prov.host or '?'}, "
+        f"GPUs {prov.gpus or '-'}, TP {prov.tp_size or '?'}, kdctl {prov.kdctl_version or '?'}",
+        *[f"- {reason}" for reason in r.reasons],
+    ]
+    return Group(head, Text("\n".join(lines)), metrics)

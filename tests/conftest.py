@@ -200,3 +200,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("findings")
         for line in _FINDINGS:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def twin_server(models: dict[str, Path]) -> Iterator[Served]:
+    """The same model as `reference_server`, served a second time."""
+    served = serve_reference(models["dsv3"])
+    yield served
+    served.proc.terminate()
+    served.proc.wait(10)

@@ -1,0 +1,82 @@
+"""The Gate interface, the context a gate runs in, and the registry of gates."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import ClassVar
+
+from kdctl import __version__
+from kdctl.backends import Backend, EngineInfo
+from kdctl.checks.result import Baseline, BaselineKind, GateResult, Provenance, content_hash
+from kdctl.errors import InputError
+from kdctl.inventory import LoadedInventory
+
+# How the caller hands a gate the recorded baseline for a workload: gates read evidence through
+# this and never reach into the store, which sits above them.
+BaselineLookup = Callable[[str, BaselineKind, str], Baseline | None]
+
+
+@dataclass
+class GateContext:
+    inventory: LoadedInventory
+    backend: Callable[[str], Backend]
+    baseline_lookup: BaselineLookup
+
+
+class Gate(abc.ABC):
+    name: ClassVar[str]
+    description: ClassVar[str]
+    needs_baseline: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...
+
+
+def provenance_of(
+    ctx: GateContext, name: str, info: EngineInfo | None, workload: str | None
+) -> Provenance:
+    """What was measured, as the engine and the inventory describe it now."""
+    spec = ctx.inventory.backends[name]
+    identity = {
+        "model": info.model if info else spec.model,
+        "served_name": info.served_name if info else None,
+        "version": info.version if info else None,
+        "tp_size": info.tp_size if info and info.tp_size else spec.tp_size,
+        "context_length": info.context_length if info else None,
+    }
+    return Provenance(
+        engine_version=info.version if info else None,
+        model_path=identity["model"],  # type: ignore[arg-type]
+        config_hash=content_hash(identity)[:16],
+        host=spec.host,
+        gpus=list(spec.gpus),
+        tp_size=identity["tp_size"],  # type: ignore[arg-type]
+        workload_hash=workload,
+        kdctl_version=__version__,
+    )
+
+
+def _builtin() -> dict[str, type[Gate]]:
+    from kdctl.checks.exactness import ExactnessGate
+    from kdctl.checks.health import HealthGate
+
+    return {g.name: g for g in (HealthGate, ExactnessGate)}
+
+
+def gates() -> dict[str, type[Gate]]:
+    found = _builtin()
+    for ep in entry_points(group="kdctl.checks"):
+        cls = ep.load()
+        if isinstance(cls, type) and issubclass(cls, Gate):
+            found.setdefault(ep.name, cls)
+    return found
+
+
+def gate_class(name: str) -> type[Gate]:
+    known = gates()
+    if name not in known:
+        raise InputError(f"unknown gate {name!r} (known: {', '.join(sorted(known))})")
+    return known[name]

@@ -1,0 +1,83 @@
+"""Running gates and recording baselines: the glue between backends, checks and evidence."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kdctl.backends import Backend, make_backend
+from kdctl.checks._gate import GateContext, gate_class, gates
+from kdctl.checks.exactness import record_golden
+from kdctl.checks.result import Baseline, BaselineKind, GateResult, utcnow
+from kdctl.errors import InputError
+from kdctl.evidence import EvidenceStore
+from kdctl.inventory import LoadedInventory
+from kdctl.transports import TransportPool
+
+
+@contextmanager
+def gate_context(inv: LoadedInventory, store: EvidenceStore) -> Iterator[GateContext]:
+    with TransportPool(inv) as pool:
+
+        def backend(name: str) -> Backend:
+            spec = inv.backends[name]
+            return make_backend(
+                name, spec, api_key=inv.api_key(name), transport=pool.get(spec.host)
+            )
+
+        def lookup(name: str, kind: BaselineKind, workload: str) -> Baseline | None:
+            found = store.baselines(backend=name, kind=kind, workload_hash=workload)
+            return found[0] if found else None
+
+        yield GateContext(inventory=inv, backend=backend, baseline_lookup=lookup)
+
+
+def _check_names(inv: LoadedInventory, *names: str | None) -> None:
+    for name in names:
+        if name is not None and name not in inv.backends:
+            known = ", ".join(sorted(inv.backends)) or "none"
+            raise InputError(f"unknown backend {name!r} (known: {known})")
+
+
+def run_gates(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    gate: str,
+    backend: str,
+    baseline: str | None,
+    *,
+    on_start: Callable[[str], None] | None = None,
+) -> list[GateResult]:
+    """Run one gate or `all`, record every result as evidence, and return them."""
+    _check_names(inv, backend, baseline)
+    names = sorted(gates()) if gate == "all" else [gate_class(gate).name]
+    results = []
+    with gate_context(inv, store) as ctx:
+        for name in names:
+            cls = gate_class(name)
+            if on_start:
+                on_start(name)
+            if cls.needs_baseline and baseline is None:
+                now = utcnow()
+                result = GateResult(
+                    gate=name,
+                    backend=backend,
+                    verdict="skipped",
+                    reasons=["needs --baseline"],
+                    started_at=now,
+                    ended_at=now,
+                )
+            else:
+                result = cls().run(ctx, backend, baseline)
+            store.record(result)
+            results.append(result)
+    return results
+
+
+def record_baseline(inv: LoadedInventory, store: EvidenceStore, backend: str) -> list[Baseline]:
+    """Golden outputs from the engine serving today, kept as evidence."""
+    _check_names(inv, backend)
+    with gate_context(inv, store) as ctx:
+        golden = record_golden(ctx, backend)
+    store.record_baseline(golden)
+    return [golden]

@@ -197,7 +197,7 @@ def test_health_gate_and_exit_codes(inventory: Any) -> None:
     assert ok.code == 0, ok.err
     (r,) = json.loads(ok.out)["results"]
     assert r["verdict"] == "pass" and r["provenance"]["model_path"].endswith("tiny-deepseek-v3")
-    down = kdctl("gate", "run", "health", "--backend", "down", "-i", str(inv), "--json")
+    down = kdctl("gate", "run", "health", "--backend", "down", "-i", str(inv), "--json", env=ENV)
     assert down.code == 1 and json.loads(down.out)["results"][0]["verdict"] == "fail"
     wrong = kdctl(
         "gate",
@@ -216,7 +216,8 @@ def test_health_gate_and_exit_codes(inventory: Any) -> None:
     )
     verdicts = {x["gate"]: x["verdict"] for x in json.loads(allrun.out)["results"]}
     assert verdicts == {"exactness": "skipped", "health": "pass"}
-    assert kdctl("gate", "run", "nope", "--backend", "candidate", "-i", str(inv)).code == 2
-    assert kdctl("gate", "run", "health", "--backend", "ghost", "-i", str(inv)).code == 2
+    assert kdctl("gate", "run", "nope", "--backend", "candidate", "-i", str(inv), env=ENV).code == 2
+    ghost = kdctl("gate", "run", "health", "--backend", "ghost", "-i", str(inv), env=ENV)
+    assert ghost.code == 2 and "unknown backend 'ghost'" in ghost.err
     listed = kdctl("gate", "list", "--json")
     assert {g["name"] for g in json.loads(listed.out)["gates"]} >= {"health", "exactness"}

@@ -1,0 +1,1 @@
+"""Roadmaps (phases and their exit criteria) and prompt corpora, shipped as package data."""

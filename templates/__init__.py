@@ -1,0 +1,1 @@
+"""jinja2 templates for reports and router configuration, shipped as package data."""

@@ -49,11 +49,11 @@ def provenance_of(
     }
     return Provenance(
         engine_version=info.version if info else None,
-        model_path=identity["model"],  # type: ignore[arg-type]
+        model_path=identity["model"],
         config_hash=content_hash(identity)[:16],
         host=spec.host,
         gpus=list(spec.gpus),
-        tp_size=identity["tp_size"],  # type: ignore[arg-type]
+        tp_size=identity["tp_size"],
         workload_hash=workload,
         kdctl_version=__version__,
     )

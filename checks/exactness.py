@@ -65,11 +65,11 @@ def load_corpus(path: Path) -> list[dict[str, Any]]:
 def corpus_path(ctx: GateContext, settings: ExactnessSettings) -> Path:
     """The configured corpus, relative to the inventory; else the one kdctl ships."""
     if settings.corpus is None:
-        return Path(str(files("kdctl.roadmap").joinpath("prompts", DEFAULT_CORPUS)))
+        return Path(str(files("kdctl.roadmap").joinpath("prompts").joinpath(DEFAULT_CORPUS)))
     path = local_path(settings.corpus, ctx.inventory.path.parent)
     if path.exists():
         return path
-    shipped = files("kdctl.roadmap").joinpath("prompts", settings.corpus.name)
+    shipped = files("kdctl.roadmap").joinpath("prompts").joinpath(settings.corpus.name)
     if shipped.is_file():
         return Path(str(shipped))
     raise InputError(f"gates.exactness.corpus: {settings.corpus} does not exist")
@@ -211,7 +211,7 @@ class ExactnessGate(Gate):
             gate=self.name,
             backend=backend,
             baseline=baseline,
-            verdict=verdict,  # type: ignore[arg-type]
+            verdict=verdict,
             metrics=[
                 Metric(
                     name="match_rate",

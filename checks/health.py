@@ -54,7 +54,7 @@ class HealthGate(Gate):
             gate=self.name,
             backend=backend,
             baseline=None,
-            verdict=verdict,  # type: ignore[arg-type]
+            verdict=verdict,
             metrics=metrics,
             reasons=reasons,
             provenance=provenance_of(ctx, backend, info, None),

@@ -24,6 +24,10 @@ app = typer.Typer(
 )
 inventory_app = typer.Typer(help="Validate and summarise the inventory.", no_args_is_help=True)
 app.add_typer(inventory_app, name="inventory")
+gate_app = typer.Typer(help="Readiness gates: list them, run them.", no_args_is_help=True)
+app.add_typer(gate_app, name="gate")
+baseline_app = typer.Typer(help="Baselines from the engine serving today.", no_args_is_help=True)
+app.add_typer(baseline_app, name="baseline")
 evidence_app = typer.Typer(
     help="Recorded gate results and baselines: list, show, export, import.", no_args_is_help=True
 )
@@ -127,10 +131,100 @@ def inventory_check(
         out.print(inventory_summary(inv))
 
 
-def _store(inventory: Path | None, state_dir: Path | None) -> Any:
+@gate_app.command("list")
+def gate_list(json_: JsonOpt = False) -> None:
+    """The gates kdctl knows, built in and from plugins."""
+    from kdctl.checks._gate import gates
+
+    known = gates()
+    if json_:
+        _print_json(
+            {
+                "gates": [
+                    {"name": n, "description": g.description, "needs_baseline": g.needs_baseline}
+                    for n, g in sorted(known.items())
+                ]
+            }
+        )
+        return
+    for name, g in sorted(known.items()):
+        needs = " (needs --baseline)" if g.needs_baseline else ""
+        out.print(f"{name:<16} {g.description}{needs}", markup=False)
+
+
+@gate_app.command("run")
+def gate_run(
+    gate: Annotated[str, typer.Argument(help="A gate name, or `all`.")],
+    backend: Annotated[str, typer.Option("--backend", "-b", help="The backend to judge.")],
+    baseline: Annotated[
+        str | None, typer.Option("--baseline", help="The backend to compare with.")
+    ] = None,
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Run a gate and record its result. Exit 0 pass, 1 fail or inconclusive, 3 error."""
+    from kdctl.gating import run_gates
+    from kdctl.render import evidence_table
+
+    inv = _load(inventory, state_dir)
+    with _store_for(inv) as store:
+        results = run_gates(
+            inv,
+            store,
+            gate,
+            backend,
+            baseline,
+            on_start=None if json_ else lambda name: err_print(f"running {name} on {backend}..."),
+        )
+    if json_:
+        _print_json({"results": [r.model_dump(mode="json") for r in results]})
+    else:
+        out.print(evidence_table(results))
+    verdicts = {r.verdict for r in results}
+    if "error" in verdicts:
+        raise typer.Exit(3)
+    if verdicts & {"fail", "inconclusive"}:
+        raise typer.Exit(1)
+
+
+@baseline_app.command("record")
+def baseline_record(
+    backend: Annotated[str, typer.Option("--backend", "-b", help="The engine serving today.")],
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Record golden outputs (token ids and top-k logprobs over the exactness corpus)."""
+    from kdctl.gating import record_baseline
+
+    inv = _load(inventory, state_dir)
+    with _store_for(inv) as store:
+        recorded = record_baseline(inv, store, backend)
+    if json_:
+        _print_json({"baselines": [b.model_dump(mode="json") for b in recorded]})
+        return
+    for b in recorded:
+        outputs = len(b.payload.get("outputs", []))
+        out.print(
+            f"recorded {b.kind} baseline {b.id[:12]} from {b.backend}: {outputs} prompts, "
+            f"workload {b.workload_hash}",
+            markup=False,
+        )
+
+
+def err_print(message: str) -> None:
+    sys.stderr.write(message + "\n")
+
+
+def _store_for(inv: Any) -> Any:
     from kdctl.evidence import EvidenceStore
 
-    return EvidenceStore.in_state_dir(_load(inventory, state_dir).state_dir)
+    return EvidenceStore.in_state_dir(inv.state_dir)
+
+
+def _store(inventory: Path | None, state_dir: Path | None) -> Any:
+    return _store_for(_load(inventory, state_dir))
 
 
 @evidence_app.command("list")

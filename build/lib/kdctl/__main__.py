@@ -1,3 +1,0 @@
-from kdctl.cli import main
-
-main()

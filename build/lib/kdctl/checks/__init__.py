@@ -1,1 +1,0 @@
-"""Checks: the readiness gates, each deciding pass, fail or inconclusive from measurements."""

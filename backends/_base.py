@@ -96,12 +96,11 @@ def _builtin() -> dict[str, type[Backend]]:
         "openai": OpenAIBackend,
         "native": NativeBackend,
     }
-    try:
-        from kdctl.backends.reference.backend import ReferenceBackend
-    except ImportError:  # torch is an extra; the kind is known, its class needs the extra
-        pass
-    else:
-        kinds["reference"] = ReferenceBackend
+    # Importing the class is cheap; torch is loaded only when its engine starts, and a missing
+    # extra is reported then, by name.
+    from kdctl.backends.reference.backend import ReferenceBackend
+
+    kinds["reference"] = ReferenceBackend
     return kinds
 
 
@@ -116,8 +115,6 @@ def backend_class(kind: str) -> type[Backend]:
             if not (isinstance(cls, type) and issubclass(cls, Backend)):
                 raise InputError(f"entry point kdctl.backends:{kind} is not a Backend class")
             return cls
-    if kind == "reference":
-        raise InputError("the reference backend needs the extra: pip install 'kdctl[reference]'")
     raise InputError(f"unknown backend kind {kind!r}")
 
 

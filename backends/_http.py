@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from kdctl.backends.errors import (
@@ -81,6 +82,20 @@ class HttpSession:
         self._check(path, resp)
         return resp
 
+    def metrics(self) -> dict[str, Any]:
+        """Prometheus families by name; `{}` where the engine exports none (SGLang mounts
+        /metrics only with --enable-metrics)."""
+        try:
+            text = self.request("GET", "/metrics").text
+        except BackendHTTPError as exc:
+            if exc.status == 404:
+                return {}
+            raise
+        try:
+            return {f.name: f for f in text_string_to_metric_families(text)}
+        except ValueError as exc:
+            raise BackendProtocolError(self.backend, self.url("/metrics"), str(exc)) from None
+
     def json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         resp = self.request(method, path, body)
         try:
@@ -114,11 +129,20 @@ class HttpSession:
                         raise BackendProtocolError(
                             self.backend, url, f"stream event is not JSON: {payload[:120]!r}"
                         ) from None
-                    if isinstance(data, dict) and "error" in data and len(data) == 1:
-                        err = data["error"]
+                    if _is_error(data):
+                        err = data.get("error", data)
                         msg = err.get("message") if isinstance(err, dict) else err
                         raise BackendHTTPError(self.backend, url, 500, f"error in stream: {msg}")
                     yield now, data
         except httpx.HTTPError as exc:
             raise self._fail(path, exc) from None
         raise BackendProtocolError(self.backend, url, "the stream ended without [DONE]")
+
+
+def _is_error(data: Any) -> bool:
+    """An error event: SGLang's {"error": ...}, or an OpenAI-style error object."""
+    if not isinstance(data, dict):
+        return False
+    if data.get("object") == "error":
+        return True
+    return "error" in data and "choices" not in data and "meta_info" not in data

@@ -58,8 +58,17 @@ class ServiceControl:
                 self.name, self.where, f"systemctl {verb} failed: {result.stderr.strip()[-300:]}"
             )
 
+    def _known(self, action: str) -> ServiceState:
+        state = self.state()
+        if state.state == "unknown":
+            # Acting blind could start a second engine on the same GPUs or orphan the first.
+            raise BackendError(
+                self.name, self.where, f"cannot {action}: service state unknown ({state.detail})"
+            )
+        return state
+
     def start(self) -> LifecycleResult:
-        before = self.state()
+        before = self._known("start")
         if before.state in ("running", "starting"):
             return LifecycleResult("start", False, before, "already running")
         if isinstance(self.service, SystemdService):
@@ -72,20 +81,27 @@ class ServiceControl:
         # setsid: the engine outlives the SSH session and leads its own process group, so stop
         # can signal it together with its children (tokenizer workers, TP ranks).
         env = [f"{k}={v}" for k, v in sorted(svc.env.items())]
-        command = shlex.join(["env", *env, *svc.argv]) if env else shlex.join(svc.argv)
+        argv = ["env", *env, "--", *svc.argv] if env else svc.argv
+        # The engine writes its own pid ($$ of the shell that then execs it): `$!` after `&`
+        # names a subshell under bash, which would leave a pidfile pointing at the wrong process.
+        inner = 'echo $$ > "$1" && shift && exec "$@"'
         script = (
-            f"cd -- {shlex.quote(svc.workdir or '/')} && "
-            f"setsid {command} >> {shlex.quote(svc.log)} 2>&1 < /dev/null & "
-            f"echo $! > {shlex.quote(svc.pidfile)}"
+            f"cd -- {shlex.quote(svc.workdir or '/')} || exit 1\n"
+            f": >> {shlex.quote(svc.log)} || exit 1\n"
+            f"setsid sh -c {shlex.quote(inner)} sh {shlex.quote(svc.pidfile)} "
+            f"{shlex.join(argv)} >> {shlex.quote(svc.log)} 2>&1 < /dev/null &\n"
+            f"for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s {shlex.quote(svc.pidfile)} ] && exit 0; "
+            f"sleep 0.1; done\nexit 1"
         )
         result = self.transport.run(["sh", "-c", script], timeout=60)
         if not result.ok:
+            why = result.stderr.strip()[-300:] or "no pid within 1s"
             raise BackendError(
-                self.name, self.where, f"could not start: {result.stderr.strip()[-300:]}"
+                self.name, self.where, f"could not start: {why}; last log lines:\n{self.log_tail()}"
             )
 
     def stop(self, *, grace_s: float = 20.0) -> LifecycleResult:
-        before = self.state()
+        before = self._known("stop")
         if isinstance(self.service, SystemdService):
             if before.state == "stopped":
                 return LifecycleResult("stop", False, before, "not running")
@@ -95,14 +111,28 @@ class ServiceControl:
         if before.state != "running" or before.pid is None:
             self.transport.run(["rm", "-f", "--", svc.pidfile], timeout=30)
             return LifecycleResult("stop", False, before, "not running")
-        pid = str(before.pid)
-        self.transport.run(["kill", "-TERM", "--", f"-{pid}"], timeout=30)
+        group = f"-{before.pid}"  # the engine leads its own process group (setsid)
+
+        def alive() -> bool:
+            # Any member of the group: TP ranks and tokenizer workers outlive a dead leader.
+            return self.transport.run(["kill", "-0", "--", group], timeout=30).ok
+
+        sent = self.transport.run(["kill", "-TERM", "--", group], timeout=30)
+        if not sent.ok and alive():
+            raise BackendError(
+                self.name, self.where, f"cannot signal pid {before.pid}: {sent.stderr.strip()}"
+            )
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and self.transport.run(["test", "-e", f"/proc/{pid}"]).ok:
+        while time.monotonic() < deadline and alive():
             time.sleep(0.1)
-        forced = self.transport.run(["test", "-e", f"/proc/{pid}"]).ok
+        forced = alive()
         if forced:
-            self.transport.run(["kill", "-KILL", "--", f"-{pid}"], timeout=30)
+            self.transport.run(["kill", "-KILL", "--", group], timeout=30)
+            time.sleep(0.2)
+            if alive():
+                raise BackendError(
+                    self.name, self.where, f"pid {before.pid}'s group survived SIGKILL"
+                )
         self.transport.run(["rm", "-f", "--", svc.pidfile], timeout=30)
         detail = f"killed after {grace_s:g}s" if forced else "stopped"
         return LifecycleResult("stop", True, self.state(), detail)

@@ -7,8 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from kdctl.backends._base import Backend
 from kdctl.backends._http import HttpSession
@@ -19,7 +18,7 @@ from kdctl.backends._types import (
     StreamChunk,
     TokenLogprob,
 )
-from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
+from kdctl.backends.errors import BackendError, BackendProtocolError
 from kdctl.backends.health import HealthResult, probe_health
 from kdctl.inventory import BackendSpec
 
@@ -62,7 +61,7 @@ class OpenAIBackend(Backend):
     def _card(self) -> dict[str, Any]:
         data = self.http.json("GET", "/v1/models")
         cards = data.get("data") if isinstance(data, dict) else None
-        if not cards or not isinstance(cards[0], dict):
+        if not cards or not isinstance(cards[0], dict) or "id" not in cards[0]:
             raise BackendProtocolError(self.name, self.http.url("/v1/models"), "no model listed")
         card: dict[str, Any] = cards[0]
         return card
@@ -79,15 +78,20 @@ class OpenAIBackend(Backend):
         try:
             answer = self.http.json("GET", "/version")  # vLLM's; others may not have it
             version = answer.get("version") if isinstance(answer, dict) else None
-        except BackendHTTPError:
-            pass
-        return EngineInfo(
-            model=card.get("root") or card.get("id"),
-            served_name=card.get("id"),
-            version=version,
-            tp_size=self.spec.tp_size,
-            context_length=card.get("max_model_len"),
-        )
+        except BackendError:
+            pass  # optional: SGLang has no /version and may want a key for it
+        try:
+            return EngineInfo(
+                model=card.get("root") or card.get("id"),
+                served_name=card.get("id"),
+                version=version if isinstance(version, str) else None,
+                tp_size=self.spec.tp_size,
+                context_length=card.get("max_model_len"),
+            )
+        except ValidationError as exc:
+            raise BackendProtocolError(
+                self.name, self.http.url("/v1/models"), f"unexpected model card: {exc}"
+            ) from None
 
     def _body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -99,7 +103,8 @@ class OpenAIBackend(Backend):
             # At least one logprob: it is how the token ids of the output come back.
             "logprobs": max(req.top_logprobs, 1),
             "stream": stream,
-            # vLLM's extensions, which SGLang's /v1 also takes: ids instead of token strings.
+            # Token ids instead of strings: vLLM's `return_tokens_as_token_ids` for logprob
+            # entries, and `return_token_ids` (vLLM and SGLang) for the output itself.
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
         }
@@ -156,6 +161,13 @@ class OpenAIBackend(Backend):
             raise BackendProtocolError(self.name, url, f"malformed answer: {exc}") from None
 
     def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
+        url = self.http.url("/v1/completions")
+        try:
+            yield from self._stream(req)
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            raise BackendProtocolError(self.name, url, f"malformed stream chunk: {exc}") from None
+
+    def _stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
         for at, data in self.http.events("/v1/completions", self._body(req, stream=True)):
             choices = data.get("choices") if isinstance(data, dict) else None
             usage = data.get("usage") if isinstance(data, dict) else None
@@ -216,20 +228,9 @@ class OpenAIBackend(Backend):
         )
 
     def metrics(self) -> dict[str, Any]:
-        try:
-            text = self.http.request("GET", "/metrics").text
-        except BackendHTTPError as exc:
-            if exc.status == 404:
-                return {}
-            raise
-        try:
-            return {f.name: f for f in text_string_to_metric_families(text)}
-        except ValueError as exc:
-            raise BackendProtocolError(self.name, self.http.url("/metrics"), str(exc)) from None
+        return self.http.metrics()
 
 
-def _token_id(token: str) -> int:
+def _token_id(token: str) -> int | None:
     match = _TOKEN_ID.match(token)
-    if not match:
-        raise ValueError(f"token {token!r} is not token_id:N (return_tokens_as_token_ids)")
-    return int(match.group(1))
+    return int(match.group(1)) if match else None

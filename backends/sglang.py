@@ -6,8 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
 from kdctl.backends._base import Backend
 from kdctl.backends._http import HttpSession
@@ -80,12 +79,21 @@ class SGLangBackend(Backend):
     def info(self) -> EngineInfo:
         server = self._info("/server_info", "/get_server_info")
         model = self._info("/model_info", "/get_model_info")
+        try:
+            return self._engine_info(server, model)
+        except ValidationError as exc:
+            raise BackendProtocolError(
+                self.name, self.http.url("/server_info"), f"unexpected server info: {exc}"
+            ) from None
+
+    def _engine_info(self, server: dict[str, Any], model: dict[str, Any]) -> EngineInfo:
         return EngineInfo(
             model=model.get("model_path") or server.get("model_path"),
             served_name=server.get("served_model_name"),
             version=server.get("version"),
             tp_size=server.get("tp_size"),
-            context_length=server.get("context_length") or server.get("max_req_input_len"),
+            # Not max_req_input_len: that is the longest prompt, a smaller number.
+            context_length=server.get("context_length"),
         )
 
     def _body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
@@ -169,11 +177,7 @@ class SGLangBackend(Backend):
             seen_ids, seen_text = len(ids), text
 
     def metrics(self) -> dict[str, Any]:
-        text = self.http.request("GET", "/metrics").text
-        try:
-            return {f.name: f for f in text_string_to_metric_families(text)}
-        except ValueError as exc:
-            raise BackendProtocolError(self.name, self.http.url("/metrics"), str(exc)) from None
+        return self.http.metrics()
 
 
 def _finish(finish: Any) -> tuple[FinishReason, int | str | None]:

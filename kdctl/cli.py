@@ -288,8 +288,13 @@ def evidence_export(
         sys.stdout.write(text)
         return
     tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(output)
+    try:
+        tmp.write_text(text)
+        tmp.replace(output)
+    except OSError as exc:
+        from kdctl.errors import InputError
+
+        raise InputError(f"{output}: cannot write: {exc.strerror}") from None
     sys.stderr.write(
         f"exported {len(doc.results)} result(s) and {len(doc.baselines)} baseline(s) to {output}\n"
     )
@@ -413,6 +418,3 @@ def main() -> None:
         # Unwrapped, one problem a line, so editors and CI logs can jump to FILE:LINE.
         sys.stderr.write(f"{exc}\n")
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        sys.stderr.write("kdctl: interrupted\n")
-        sys.exit(130)

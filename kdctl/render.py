@@ -17,13 +17,20 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} ms"
 
 
+def _t(value: object) -> Text:
+    """Text, never markup: names, models and details come from files and engines."""
+    return Text("-" if value is None or value == "" else str(value))
+
+
 def status_tables(report: StatusReport) -> Group:
     hosts = Table(title="Hosts", title_justify="left", expand=False)
     for col in ("host", "target", "reachable", "RTT", "GPUs", "Xids"):
         hosts.add_column(col)
     for h in report.hosts:
         if not h.reachable:
-            hosts.add_row(h.name, h.target, Text("no", "red"), "-", Text(h.error or "", "red"), "-")
+            hosts.add_row(
+                _t(h.name), _t(h.target), Text("no", "red"), "-", Text(h.error or "", "red"), "-"
+            )
             continue
         gpus = h.gpus
         if gpus is None or not gpus.visible:
@@ -50,7 +57,9 @@ def status_tables(report: StatusReport) -> Group:
             xid_text = Text(", ".join(f"Xid {e.code}" for e in xids.events[-5:]), "red")
         else:
             xid_text = Text("none", "green")
-        hosts.add_row(h.name, h.target, Text("yes", "green"), _ms(h.rtt_ms), gpu_text, xid_text)
+        hosts.add_row(
+            _t(h.name), _t(h.target), Text("yes", "green"), _ms(h.rtt_ms), gpu_text, xid_text
+        )
 
     backends = Table(title="Backends", title_justify="left")
     cols = ("backend", "kind", "url", "state", "latency", "model", "version", "TP", "service")
@@ -62,16 +71,16 @@ def status_tables(report: StatusReport) -> Group:
         if b.service:
             service = f"{b.service.state}" + (f" pid {b.service.pid}" if b.service.pid else "")
         backends.add_row(
-            b.name,
-            b.kind,
-            b.url or "-",
+            _t(b.name),
+            _t(b.kind),
+            _t(b.url),
             state,
             _ms(b.latency_ms),
-            b.model or "-",
-            b.version or "-",
+            _t(b.model),
+            _t(b.version),
             str(b.tp_size),
-            service,
-            b.detail or "",
+            _t(service),
+            Text(b.detail or ""),
         )
 
     t = report.traffic
@@ -86,13 +95,13 @@ def status_tables(report: StatusReport) -> Group:
 
 
 def inventory_summary(inv: LoadedInventory) -> Group:
-    hosts = Table(title=f"{inv.path}: valid", title_justify="left")
+    hosts = Table(title=Text(f"{inv.path}: valid"), title_justify="left")
     for col in ("host", "transport", "target", "GPUs", "host keys"):
         hosts.add_column(col)
     for name, h in inv.hosts.items():
         gpus = f"{h.gpus} x {h.gpu_model}" if h.gpus and h.gpu_model else str(h.gpus or "-")
         keys = "-" if h.transport == "local" else f"{h.host_key_policy} ({h.known_hosts})"
-        hosts.add_row(name, h.transport, h.target, gpus, keys)
+        hosts.add_row(_t(name), h.transport, _t(h.target), _t(gpus), _t(keys))
     backends = Table()
     for col in ("backend", "kind", "host", "url", "GPUs", "TP", "service", "API key"):
         backends.add_column(col)
@@ -106,7 +115,9 @@ def inventory_summary(inv: LoadedInventory) -> Group:
             else (str(b.api_key_file) if b.api_key_file else "-")
         )
         gpus = ",".join(map(str, b.gpus)) or "-"
-        backends.add_row(name, b.kind, b.host, b.url or "-", gpus, str(b.tp_size), service, key)
+        backends.add_row(
+            _t(name), _t(b.kind), _t(b.host), _t(b.url), gpus, str(b.tp_size), _t(service), _t(key)
+        )
     parts: list[Table | Text] = [hosts, backends]
     r = inv.spec.router
     if r:
@@ -133,9 +144,9 @@ def evidence_table(results: list[GateResult]) -> Table:
     for r in results:
         table.add_row(
             r.id[:12],
-            r.gate,
-            r.backend,
-            r.baseline or "-",
+            _t(r.gate),
+            _t(r.backend),
+            _t(r.baseline),
             Text(r.verdict, _VERDICT_STYLE.get(r.verdict, "")),
             r.ended_at.strftime("%Y-%m-%d %H:%M:%SZ"),
             Text("; ".join(r.reasons)[:120]),
@@ -154,7 +165,7 @@ def evidence_detail(r: GateResult) -> Group:
     for m in r.metrics:
         threshold = f"{m.comparison} {m.threshold}" if m.comparison else "-"
         ok = {True: Text("yes", "green"), False: Text("no", "red"), None: Text("-")}[m.passed]
-        metrics.add_row(m.name, f"{m.value}{' ' + m.unit if m.unit else ''}", threshold, ok)
+        metrics.add_row(_t(m.name), _t(f"{m.value}{' ' + m.unit if m.unit else ''}"), threshold, ok)
     prov = r.provenance
     lines = [
         f"id {r.id}",

@@ -134,6 +134,7 @@ def collect_status(
         if backend.service is not None:
             by_host[backend.host].append(name)
 
+    partial: dict[str, HostStatus] = {}
     with TransportPool(inventory) as pool, httpx.Client() as client:
 
         def host_probe(name: str) -> _HostFacts:
@@ -148,13 +149,19 @@ def collect_status(
             )
             if not reach.reachable:
                 return _HostFacts(host=status)
-            status.gpus = probe_gpus(transport, timeout=deadline_s)
-            status.xids = probe_xids(transport, timeout=deadline_s)
-            services = {}
-            for backend_name in by_host.get(name, []):
-                service = inventory.backends[backend_name].service
-                assert service is not None
-                services[backend_name] = probe_service(transport, service, timeout=deadline_s)
+            # Known reachable from here on: a probe that hangs or breaks later (nvidia-smi
+            # stuck after an Xid 79) must not turn the host into "unreachable".
+            partial[name] = status
+            services: dict[str, ServiceState] = {}
+            try:
+                status.gpus = probe_gpus(transport, timeout=deadline_s)
+                status.xids = probe_xids(transport, timeout=deadline_s)
+                for backend_name in by_host.get(name, []):
+                    service = inventory.backends[backend_name].service
+                    assert service is not None
+                    services[backend_name] = probe_service(transport, service, timeout=deadline_s)
+            except Exception as exc:
+                status.error = f"probe failed: {type(exc).__name__}: {exc}"
             return _HostFacts(host=status, services=services)
 
         def backend_probe(name: str) -> BackendStatus:
@@ -191,6 +198,10 @@ def collect_status(
         if isinstance(out.value, _HostFacts):
             hosts.append(out.value.host)
             services.update(out.value.services)
+        elif name in partial:
+            late = partial[name].model_copy()
+            late.error = f"reachable, but its probes did not finish within {deadline_s:g}s"
+            hosts.append(late)
         else:
             why = (
                 f"no answer within {deadline_s:g}s"

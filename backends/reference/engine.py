@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kdctl.backends._types import GenerateRequest, GenerateResult, TokenLogprob
+from kdctl.backends.reference import require_extra
 from kdctl.errors import InputError
 
 
@@ -30,6 +31,7 @@ def final(steps: Iterator[tuple[GenerateResult, bool]]) -> GenerateResult:
 
 class ReferenceEngine:
     def __init__(self, model_dir: Path, *, device: str = "cpu", dtype: str = "float32") -> None:
+        require_extra("torch", "transformers")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kdctl.backends.reference import require_extra
 from kdctl.errors import InputError
 
 Arch = Literal["deepseek_v3", "llama"]
@@ -170,6 +171,7 @@ def make_model(
     from_model: Path | None = None,
 ) -> ModelReport:
     """Write a tiny model and its tokenizer to `out`; the same arguments give the same bytes."""
+    require_extra("torch", "transformers", "tokenizers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

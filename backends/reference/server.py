@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from kdctl import __version__
 from kdctl.backends._types import GenerateRequest, GenerateResult
+from kdctl.backends.reference import require_extra
 from kdctl.backends.reference.engine import ReferenceEngine, final
 from kdctl.errors import InputError
 
@@ -506,6 +507,7 @@ def serve(
     device: str,
     dtype: str,
 ) -> None:
+    require_extra()
     import uvicorn
 
     api_key = os.environ.get(api_key_env) if api_key_env else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -103,9 +104,12 @@ def local_path(path: Path, base: Path) -> Path:
     return expanded if expanded.is_absolute() else base / expanded
 
 
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+
+
 def resolve_api_key(backend: BackendSpec, base: Path) -> SecretStr | None:
     if backend.api_key_env:
-        value = os.environ.get(backend.api_key_env)
+        value = (os.environ.get(backend.api_key_env) or "").strip()
         return SecretStr(value) if value else None
     if backend.api_key_file:
         key_path = local_path(backend.api_key_file, base)
@@ -155,6 +159,18 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             yield (*at, "api_key_env"), f"environment variable {be.api_key_env} is not set"
         elif be.api_key_file and not local_path(be.api_key_file, base).is_file():
             yield (*at, "api_key_file"), f"{be.api_key_file} does not exist"
+        elif be.api_key_env or be.api_key_file:
+            key = resolve_api_key(be, base)
+            if key is None or not _HEADER_SAFE.fullmatch(key.get_secret_value()):
+                # Never echo the key: say only where it came from and what is wrong.
+                field = "api_key_env" if be.api_key_env else "api_key_file"
+                yield (
+                    (*at, field),
+                    (
+                        "the API key is empty or holds spaces or control characters "
+                        "(a trailing newline inside the value?)"
+                    ),
+                )
         if len(set(be.gpus)) != len(be.gpus):
             yield (*at, "gpus"), "lists a GPU more than once"
         if be.gpus and be.tp_size > len(be.gpus):

@@ -35,6 +35,8 @@ def fan_out(
     daemon thread (a stuck socket cannot be interrupted from outside) and a fresh worker takes
     its place, so a queue behind a dead host keeps moving.
     """
+    if len(set(hosts)) != len(hosts):
+        raise ValueError("fan_out: host names must be unique")
     pending = list(reversed(hosts))
     started: dict[str, float] = {}
     results: dict[str, Outcome[T]] = {}

@@ -26,11 +26,6 @@ KEEPALIVE_S = 15
 _REMOTE_GRACE_S = 2.0
 
 
-def known_hosts_name(address: str, port: int) -> str:
-    """The name OpenSSH writes in known_hosts: `[addr]:port` unless the port is 22."""
-    return address if port == 22 else f"[{address}]:{port}"
-
-
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     """Refuses unknown keys, or with `accept-new` records them, as OpenSSH's option does.
 
@@ -191,7 +186,9 @@ class SSHTransport(Transport):
             raise TransportError(self.name, f"{args[0]} failed in transit: {exc}") from None
         finally:
             chan.close()
-        if code == 124:
+        # 124 is what the remote `timeout` returns; a command may return it too, so it counts
+        # as a timeout only when the time was indeed used up.
+        if code == 124 and time.monotonic() - started >= timeout:
             raise CommandTimeout(self.name, args, timeout)
         return CommandResult(
             self.name,

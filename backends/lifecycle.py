@@ -80,16 +80,18 @@ class ServiceControl:
     def _spawn(self, svc: CommandService) -> None:
         # setsid: the engine outlives the SSH session and leads its own process group, so stop
         # can signal it together with its children (tokenizer workers, TP ranks).
-        env = [f"{k}={v}" for k, v in sorted(svc.env.items())]
-        argv = ["env", *env, "--", *svc.argv] if env else svc.argv
+        # Names are validated identifiers (inventory); values are quoted. As assignments before
+        # the command they reach the engine's environment without `env`, which would take a
+        # program name containing "=" for one more assignment.
+        env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(svc.env.items()))
         # The engine writes its own pid ($$ of the shell that then execs it): `$!` after `&`
         # names a subshell under bash, which would leave a pidfile pointing at the wrong process.
         inner = 'echo $$ > "$1" && shift && exec "$@"'
         script = (
             f"cd -- {shlex.quote(svc.workdir or '/')} || exit 1\n"
             f": >> {shlex.quote(svc.log)} || exit 1\n"
-            f"setsid sh -c {shlex.quote(inner)} sh {shlex.quote(svc.pidfile)} "
-            f"{shlex.join(argv)} >> {shlex.quote(svc.log)} 2>&1 < /dev/null &\n"
+            f"{env}setsid sh -c {shlex.quote(inner)} sh {shlex.quote(svc.pidfile)} "
+            f"{shlex.join(svc.argv)} >> {shlex.quote(svc.log)} 2>&1 < /dev/null &\n"
             f"for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s {shlex.quote(svc.pidfile)} ] && exit 0; "
             f"sleep 0.1; done\nexit 1"
         )

@@ -231,3 +231,21 @@ def test_one_transport_serves_threads(fleet: SshdFleet) -> None:
         for th in threads:
             th.join()
         assert sorted(results, key=int) == [str(i) for i in range(8)]
+
+
+def test_a_revoked_host_key_is_refused_even_under_accept_new(
+    fleet: SshdFleet, tmp_path: Path
+) -> None:
+    kh = tmp_path / "known_hosts"
+    kind, b64 = fleet.hosts["plain"].hostkey.with_suffix(".pub").read_text().split()[:2]
+    kh.write_text(f"@revoked * {kind} {b64}\n")
+    with pytest.raises(HostKeyError, match="@revoked"):
+        ssh(fleet, "plain", known_hosts=kh, host_key_policy="accept-new").connect()
+    assert kh.read_text() == f"@revoked * {kind} {b64}\n"  # not recorded as a new key
+
+
+def test_a_garbled_known_hosts_line_is_named(fleet: SshdFleet, tmp_path: Path) -> None:
+    kh = tmp_path / "known_hosts"
+    kh.write_text("# a comment\n[127.0.0.1]:1 ssh-ed25519 not-base64!!\n")
+    with pytest.raises(TransportError, match=r"known_hosts:2: unreadable host key line"):
+        ssh(fleet, "plain", known_hosts=kh).connect()

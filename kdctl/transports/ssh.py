@@ -26,6 +26,16 @@ KEEPALIVE_S = 15
 _REMOTE_GRACE_S = 2.0
 
 
+def is_revoked(known_hosts: Path, key: paramiko.PKey) -> bool:
+    """paramiko skips `@revoked` lines of known_hosts; OpenSSH refuses those keys, and so do we."""
+    try:
+        lines = known_hosts.read_text().splitlines()
+    except OSError:
+        return False
+    blob = key.get_base64()
+    return any(line.startswith("@revoked") and blob in line.split() for line in lines)
+
+
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     """Refuses unknown keys, or with `accept-new` records them, as OpenSSH's option does.
 
@@ -42,6 +52,12 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
         self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
     ) -> None:
         fingerprint = f"{key.get_name()} {key.fingerprint}"
+        if is_revoked(self.known_hosts, key):
+            raise HostKeyError(
+                self.name,
+                f"host key {fingerprint} is marked @revoked in {self.known_hosts}",
+                fingerprint,
+            )
         if self.spec.host_key_policy != "accept-new":
             raise HostKeyError(
                 self.name,
@@ -80,15 +96,46 @@ class SSHTransport(Transport):
             self._client = self._open()
             return self._client
 
+    def _socket(self, timeout: float) -> socket.socket:
+        # Published before connect() so that close() can abandon a host that drops SYNs.
+        info = socket.getaddrinfo(self.spec.address, self.spec.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = info[0]
+        sock = socket.socket(family, kind, proto)
+        self._pending = sock
+        sock.settimeout(timeout)
+        sock.connect(addr)
+        return sock
+
+    def _load_known_hosts(self, client: paramiko.SSHClient) -> None:
+        """OpenSSH's file, read line by line: marker lines (`@revoked`, `@cert-authority`) are
+        OpenSSH syntax paramiko cannot parse; revoked keys are checked by `is_revoked`."""
+        if not self.known_hosts.is_file():
+            return
+        try:
+            text = self.known_hosts.read_text()
+        except OSError as exc:
+            raise TransportError(self.name, f"cannot read {self.known_hosts}: {exc}") from None
+        keys = client.get_host_keys()
+        for no, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith(("#", "@")):
+                continue
+            try:
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(line, no)
+            except (paramiko.SSHException, paramiko.hostkeys.InvalidHostKey, ValueError) as exc:
+                raise TransportError(
+                    self.name, f"{self.known_hosts}:{no}: unreadable host key line: {exc}"
+                ) from None
+            if entry is None or entry.key is None:
+                continue
+            for hostname in entry.hostnames:
+                keys.add(hostname, entry.key.get_name(), entry.key)
+
     def _open(self) -> paramiko.SSHClient:
         spec = self.spec
         assert spec.address is not None
         client = paramiko.SSHClient()
-        if self.known_hosts.is_file():
-            try:
-                client.load_host_keys(str(self.known_hosts))
-            except (OSError, paramiko.SSHException) as exc:
-                raise TransportError(self.name, f"cannot read {self.known_hosts}: {exc}") from None
+        self._load_known_hosts(client)
         client.set_missing_host_key_policy(_HostKeyPolicy(self.name, spec, self.known_hosts))
         timeout = spec.connect_timeout_s
         try:
@@ -137,6 +184,13 @@ class SSHTransport(Transport):
             self._pending = None
         transport = client.get_transport()
         if transport is not None:
+            key = transport.get_remote_server_key()
+            if is_revoked(self.known_hosts, key):
+                client.close()
+                fp = f"{key.get_name()} {key.fingerprint}"
+                raise HostKeyError(
+                    self.name, f"host key {fp} is marked @revoked in {self.known_hosts}", fp
+                )
             transport.set_keepalive(KEEPALIVE_S)
         return client
 
@@ -158,7 +212,9 @@ class SSHTransport(Transport):
             chan = transport.open_session(timeout=self.spec.connect_timeout_s)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             with self._lock:
-                self._client = None
+                if self._client is client:
+                    client.close()
+                    self._client = None
             raise TransportError(self.name, f"cannot open a session: {exc}") from None
         out, err = bytearray(), bytearray()
         try:

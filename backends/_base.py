@@ -74,7 +74,7 @@ class Backend(abc.ABC):
         """Start, stop, restart and wait for this engine through its service on `transport`."""
         from kdctl.backends.lifecycle import ServiceControl
 
-        return ServiceControl(self.name, self.spec, transport, self.health)
+        return ServiceControl(self.name, self.spec, transport, self.health, self.api_key)
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing open
         pass

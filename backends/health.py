@@ -47,8 +47,13 @@ def probe_health(
     if code == 200:
         return HealthResult(state="up", latency_ms=latency, status_code=code)
     if code == 503:
+        # SGLang answers 503 while it warms up, and also when draining or when its health
+        # generation timed out: not "down", but not known to be only starting either.
         return HealthResult(
-            state="starting", latency_ms=latency, status_code=code, detail="not ready yet"
+            state="starting",
+            latency_ms=latency,
+            status_code=code,
+            detail="not ready (HTTP 503: starting, draining or unhealthy)",
         )
     detail = "authentication failed" if code in (401, 403) else f"HTTP {code}"
     return HealthResult(state="unknown", latency_ms=latency, status_code=code, detail=detail)

@@ -6,16 +6,21 @@ stopping a stopped one does nothing and says so) and quotes every value it sends
 
 from __future__ import annotations
 
+import re
 import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from pydantic import SecretStr
 
 from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.backends.health import HealthResult
 from kdctl.inventory import BackendSpec, CommandService, SystemdService
 from kdctl.probes import ServiceState, probe_service
 from kdctl.transports import Transport
+
+_KEY_ARGS = re.compile(r"""((?:--)?api[_-]key['"]?\s*[=:]?\s*['"]?)[^\s'",)]+""", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class ServiceControl:
         spec: BackendSpec,
         transport: Transport,
         health: Callable[[], HealthResult],
+        api_key: SecretStr | None = None,
     ) -> None:
         if spec.service is None:
             raise BackendError(name, spec.url or name, "has no service to start or stop")
@@ -41,6 +47,7 @@ class ServiceControl:
         self.service: SystemdService | CommandService = spec.service
         self.transport = transport
         self._health = health
+        self.api_key = api_key
 
     @property
     def where(self) -> str:
@@ -151,7 +158,14 @@ class ServiceControl:
         else:
             argv = ["tail", "-n", str(lines), "--", self.service.log]
         result = self.transport.run(argv, timeout=30)
-        return result.stdout if result.ok else f"(log unreadable: {result.stderr.strip()})"
+        text = result.stdout if result.ok else f"(log unreadable: {result.stderr.strip()})"
+        return self._redact(text)
+
+    def _redact(self, text: str) -> str:
+        # Engines print their arguments at start-up, API key included: never pass that on.
+        if self.api_key:
+            text = text.replace(self.api_key.get_secret_value(), "***")
+        return _KEY_ARGS.sub(r"\1***", text)
 
     def wait_ready(self, *, deadline_s: float = 300.0, poll_s: float = 0.5) -> HealthResult:
         """Poll health until `up`; fail early, with the log's tail, if the engine dies."""

@@ -166,15 +166,23 @@ class SGLangBackend(Backend):
             text = data.get("text") or ""
             meta = data.get("meta_info") or {}
             finish = meta.get("finish_reason")
+            done = meta.get("completion_tokens")
+            # Cumulative by default; with --incremental-streaming-output each event carries
+            # only its own tokens, which the running count tells apart.
+            incremental = isinstance(done, int) and seen_ids > 0 and done > len(ids)
+            new_ids = list(ids) if incremental else list(ids[seen_ids:])
             yield StreamChunk(
                 received_at=at,
-                output_ids=list(ids[seen_ids:]),
-                text=text[len(seen_text) :] if text.startswith(seen_text) else text,
+                output_ids=new_ids,
+                text=text
+                if incremental or not text.startswith(seen_text)
+                else text[len(seen_text) :],
                 finish_reason=_finish(finish)[0] if finish else None,
                 prompt_tokens=meta.get("prompt_tokens"),
                 completion_tokens=meta.get("completion_tokens"),
             )
-            seen_ids, seen_text = len(ids), text
+            seen_ids = seen_ids + len(new_ids)
+            seen_text = seen_text + text if incremental else text
 
     def metrics(self) -> dict[str, Any]:
         return self.http.metrics()

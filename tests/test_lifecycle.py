@@ -107,3 +107,33 @@ def test_a_crashing_engine_fails_fast_with_its_log(shared_dir: Path) -> None:
         control.wait_ready(deadline_s=60)
     assert "not a model folder" in str(exc.value)
     assert control.stop().detail == "not running"
+
+
+def test_log_tails_never_carry_the_api_key(tmp_path: Path) -> None:
+    from pydantic import SecretStr
+
+    tmp_path.chmod(0o755)
+    spec = BackendSpec.model_validate(
+        {
+            "kind": "sglang",
+            "host": "h",
+            "url": f"http://127.0.0.1:{free_port()}",
+            "api_key_env": None,
+            "service": {
+                "command": [
+                    "sh",
+                    "-c",
+                    "echo server_args api_key=sk-live-123 --api-key sk-live-123; exit 1",
+                ],
+                "pidfile": str(tmp_path / "e.pid"),
+                "log": str(tmp_path / "e.log"),
+            },
+        }
+    )
+    be = make_backend("engine", spec, api_key=SecretStr("sk-live-123"))
+    control = be.lifecycle(LocalTransport("local"))
+    control.start()
+    with pytest.raises(BackendError, match="exited while starting") as exc:
+        control.wait_ready(deadline_s=30)
+    assert "sk-live-123" not in str(exc.value)
+    assert "api_key=***" in str(exc.value) and "--api-key ***" in str(exc.value)

@@ -86,6 +86,35 @@ class Backend(abc.ABC):
         self.close()
 
 
+class HttpBackend(Backend):
+    """A served engine: one HTTP session to its URL, health from `/health`, metrics."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: BackendSpec,
+        *,
+        api_key: SecretStr | None = None,
+        timeout: float = 60.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(name, spec, api_key=api_key, timeout=timeout)
+        if not spec.url:
+            raise InputError(f"backend {name} has no url")
+        from kdctl.backends._http import HttpSession
+
+        self.http = HttpSession(name, spec.url, api_key=api_key, timeout=timeout, client=client)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def health(self) -> HealthResult:
+        return self.http.health()
+
+    def metrics(self) -> dict[str, Any]:
+        return self.http.metrics()
+
+
 def _builtin() -> dict[str, type[Backend]]:
     from kdctl.backends.native import NativeBackend
     from kdctl.backends.openai import OpenAIBackend

@@ -20,6 +20,7 @@ from kdctl.backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
+from kdctl.backends.health import HealthResult, bearer, probe_health
 
 
 class HttpSession:
@@ -35,8 +36,8 @@ class HttpSession:
         self.backend = backend
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
-        self._headers = headers
+        self._key = api_key
+        self._headers = bearer(api_key)
         self._client = client or httpx.Client(timeout=timeout)
         self._owns_client = client is None
 
@@ -81,6 +82,9 @@ class HttpSession:
             raise self._fail(path, exc) from None
         self._check(path, resp)
         return resp
+
+    def health(self, path: str = "/health") -> HealthResult:
+        return probe_health(self._client, self.base_url, api_key=self._key, path=path)
 
     def metrics(self) -> dict[str, Any]:
         """Prometheus families by name; `{}` where the engine exports none (SGLang mounts

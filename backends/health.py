@@ -18,6 +18,11 @@ class HealthResult(BaseModel):
     detail: str | None = None
 
 
+def bearer(api_key: SecretStr | None) -> dict[str, str]:
+    """The header SGLang and OpenAI-compatible servers take an API key in."""
+    return {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+
+
 def probe_health(
     client: httpx.Client,
     url: str,
@@ -31,7 +36,7 @@ def probe_health(
     Down means nothing listens; unknown means something answered that is not an engine's
     health (auth refused, another status, a timeout), which a person must look at.
     """
-    headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+    headers = bearer(api_key)
     started = time.monotonic()
     try:
         resp = client.get(f"{url}{path}", headers=headers, timeout=timeout)

@@ -9,8 +9,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from kdctl.backends._base import Backend
-from kdctl.backends._http import HttpSession
+from kdctl.backends._base import HttpBackend
 from kdctl.backends._types import (
     EngineInfo,
     GenerateRequest,
@@ -19,7 +18,6 @@ from kdctl.backends._types import (
     TokenLogprob,
 )
 from kdctl.backends.errors import BackendError, BackendProtocolError
-from kdctl.backends.health import HealthResult, probe_health
 from kdctl.inventory import BackendSpec
 
 
@@ -34,7 +32,7 @@ class ChatResult(BaseModel):
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
-class OpenAIBackend(Backend):
+class OpenAIBackend(HttpBackend):
     kind = "openai"
 
     def __init__(
@@ -46,17 +44,8 @@ class OpenAIBackend(Backend):
         timeout: float = 60.0,
         client: httpx.Client | None = None,
     ) -> None:
-        super().__init__(name, spec, api_key=api_key, timeout=timeout)
-        if not spec.url:
-            raise ValueError(f"backend {name} has no url")
-        self.http = HttpSession(name, spec.url, api_key=api_key, timeout=timeout, client=client)
+        super().__init__(name, spec, api_key=api_key, timeout=timeout, client=client)
         self._model: str | None = spec.served_model_name
-
-    def close(self) -> None:
-        self.http.close()
-
-    def health(self) -> HealthResult:
-        return probe_health(self.http._client, self.http.base_url, api_key=self.api_key)
 
     def _card(self) -> dict[str, Any]:
         data = self.http.json("GET", "/v1/models")
@@ -226,9 +215,6 @@ class OpenAIBackend(Backend):
             completion_tokens=int(usage.get("completion_tokens") or 0),
             first_token_at=first,
         )
-
-    def metrics(self) -> dict[str, Any]:
-        return self.http.metrics()
 
 
 def _token_id(token: str) -> int | None:

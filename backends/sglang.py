@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
-from kdctl.backends._base import Backend
-from kdctl.backends._http import HttpSession
+from kdctl.backends._base import HttpBackend
 from kdctl.backends._types import (
     EngineInfo,
     FinishReason,
@@ -19,40 +17,17 @@ from kdctl.backends._types import (
     TokenLogprob,
 )
 from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
-from kdctl.backends.health import HealthResult, probe_health
+from kdctl.backends.health import HealthResult
 from kdctl.backends.openai import OpenAIBackend
-from kdctl.inventory import BackendSpec
 
 
-class SGLangBackend(Backend):
+class SGLangBackend(HttpBackend):
     kind = "sglang"
-
-    def __init__(
-        self,
-        name: str,
-        spec: BackendSpec,
-        *,
-        api_key: SecretStr | None = None,
-        timeout: float = 60.0,
-        client: httpx.Client | None = None,
-    ) -> None:
-        super().__init__(name, spec, api_key=api_key, timeout=timeout)
-        if not spec.url:
-            raise ValueError(f"backend {name} has no url")
-        self.http = HttpSession(name, spec.url, api_key=api_key, timeout=timeout, client=client)
-
-    def close(self) -> None:
-        self.http.close()
 
     def health(self, *, generate: bool = False) -> HealthResult:
         """`/health`, or with `generate` `/health_generate`, which SGLang always answers by
         running a one-token generation (newer releases may skip it on plain `/health`)."""
-        return probe_health(
-            self.http._client,
-            self.http.base_url,
-            api_key=self.api_key,
-            path="/health_generate" if generate else "/health",
-        )
+        return self.http.health("/health_generate" if generate else "/health")
 
     def openai(self) -> OpenAIBackend:
         """The same server through its OpenAI routes (`/v1/completions`, `/v1/chat/...`)."""
@@ -183,9 +158,6 @@ class SGLangBackend(Backend):
             )
             seen_ids = seen_ids + len(new_ids)
             seen_text = seen_text + text if incremental else text
-
-    def metrics(self) -> dict[str, Any]:
-        return self.http.metrics()
 
 
 def _finish(finish: Any) -> tuple[FinishReason, int | str | None]:

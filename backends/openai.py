@@ -6,8 +6,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
-from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kdctl.backends._base import HttpBackend
 from kdctl.backends._types import (
@@ -18,7 +17,6 @@ from kdctl.backends._types import (
     TokenLogprob,
 )
 from kdctl.backends.errors import BackendError, BackendProtocolError
-from kdctl.inventory import BackendSpec
 
 
 class ChatResult(BaseModel):
@@ -34,18 +32,7 @@ _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 class OpenAIBackend(HttpBackend):
     kind = "openai"
-
-    def __init__(
-        self,
-        name: str,
-        spec: BackendSpec,
-        *,
-        api_key: SecretStr | None = None,
-        timeout: float = 60.0,
-        client: httpx.Client | None = None,
-    ) -> None:
-        super().__init__(name, spec, api_key=api_key, timeout=timeout, client=client)
-        self._model: str | None = spec.served_model_name
+    _model: str | None = None
 
     def _card(self) -> dict[str, Any]:
         data = self.http.json("GET", "/v1/models")
@@ -57,8 +44,9 @@ class OpenAIBackend(HttpBackend):
 
     @property
     def model(self) -> str:
+        """The name requests must carry: the inventory's, else the server's first card."""
         if self._model is None:
-            self._model = str(self._card()["id"])
+            self._model = self.spec.served_model_name or str(self._card()["id"])
         return self._model
 
     def info(self) -> EngineInfo:

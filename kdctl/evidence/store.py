@@ -76,39 +76,13 @@ class EvidenceStore:
             # PRAGMA takes no parameters; the value is an int from our own list.
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
-    def record(self, result: GateResult, *, imported_from: str | None = None) -> None:
+    def record(self, result: GateResult) -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT INTO results (id, gate, backend, baseline, verdict, started_at, ended_at,"
-                " body, imported_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    result.id,
-                    result.gate,
-                    result.backend,
-                    result.baseline,
-                    result.verdict,
-                    result.started_at.isoformat(),
-                    result.ended_at.isoformat(),
-                    result.model_dump_json(),
-                    imported_from,
-                ),
-            )
+            _insert(db, result, None)
 
-    def record_baseline(self, baseline: Baseline, *, imported_from: str | None = None) -> None:
+    def record_baseline(self, baseline: Baseline) -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT INTO baselines (id, backend, kind, workload_hash, created_at, body,"
-                " imported_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    baseline.id,
-                    baseline.backend,
-                    baseline.kind,
-                    baseline.workload_hash,
-                    baseline.created_at.isoformat(),
-                    baseline.model_dump_json(),
-                    imported_from,
-                ),
-            )
+            _insert(db, baseline, None)
 
     def _load(self, rows: list[tuple[str]]) -> list[GateResult]:
         try:
@@ -189,39 +163,42 @@ class EvidenceStore:
                             )
                         skipped += 1
                         continue
-                    if isinstance(rec, GateResult):
-                        db.execute(
-                            "INSERT INTO results (id, gate, backend, baseline, verdict,"
-                            " started_at, ended_at, body, imported_from)"
-                            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (
-                                rec.id,
-                                rec.gate,
-                                rec.backend,
-                                rec.baseline,
-                                rec.verdict,
-                                rec.started_at.isoformat(),
-                                rec.ended_at.isoformat(),
-                                body,
-                                source,
-                            ),
-                        )
-                    else:
-                        db.execute(
-                            "INSERT INTO baselines (id, backend, kind, workload_hash, created_at,"
-                            " body, imported_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            (
-                                rec.id,
-                                rec.backend,
-                                rec.kind,
-                                rec.workload_hash,
-                                rec.created_at.isoformat(),
-                                body,
-                                source,
-                            ),
-                        )
+                    _insert(db, rec, source)
                     added += 1
         return added, skipped
+
+
+def _insert(db: sqlite3.Connection, rec: GateResult | Baseline, source: str | None) -> None:
+    if isinstance(rec, GateResult):
+        db.execute(
+            "INSERT INTO results (id, gate, backend, baseline, verdict, started_at, ended_at,"
+            " body, imported_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                rec.id,
+                rec.gate,
+                rec.backend,
+                rec.baseline,
+                rec.verdict,
+                rec.started_at.isoformat(),
+                rec.ended_at.isoformat(),
+                rec.model_dump_json(),
+                source,
+            ),
+        )
+    else:
+        db.execute(
+            "INSERT INTO baselines (id, backend, kind, workload_hash, created_at, body,"
+            " imported_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                rec.id,
+                rec.backend,
+                rec.kind,
+                rec.workload_hash,
+                rec.created_at.isoformat(),
+                rec.model_dump_json(),
+                source,
+            ),
+        )
 
 
 def canonical(body: str) -> str:

@@ -4,7 +4,7 @@ Kinds: `sglang`, `openai`, `native` and `reference` (DESIGN.md section 4). Other
 add kinds through the `kdctl.backends` entry-point group.
 """
 
-from kdctl.backends._base import Backend, backend_class, make_backend
+from kdctl.backends._base import Backend, HttpBackend, StreamCall, backend_class, make_backend
 from kdctl.backends._types import (
     EngineInfo,
     FinishReason,
@@ -22,6 +22,8 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "HealthResult",
+    "HttpBackend",
+    "StreamCall",
     "StreamChunk",
     "TokenLogprob",
     "backend_class",

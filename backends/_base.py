@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -11,6 +12,7 @@ import httpx
 from pydantic import SecretStr
 
 from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult, StreamChunk
+from kdctl.backends.errors import BackendProtocolError
 from kdctl.backends.health import HealthResult
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
@@ -86,6 +88,20 @@ class Backend(abc.ABC):
         self.close()
 
 
+@dataclass(frozen=True)
+class StreamCall:
+    """A streamed generation on the wire: the route, the body, and how to read each event.
+
+    Kept apart from any HTTP client so that the load generator's asynchronous clients speak
+    each engine's protocol through the same code as the backend itself.
+    """
+
+    path: str
+    body: dict[str, Any]
+    # One parsed event and its arrival time in, a chunk (or None for a bookkeeping event) out.
+    decode: Callable[[float, Any], StreamChunk | None]
+
+
 class HttpBackend(Backend):
     """A served engine: one HTTP session to its URL, health from `/health`, metrics."""
 
@@ -107,6 +123,21 @@ class HttpBackend(Backend):
 
     def close(self) -> None:
         self.http.close()
+
+    @abc.abstractmethod
+    def stream_call(self, req: GenerateRequest) -> StreamCall: ...
+
+    def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
+        call = self.stream_call(req)
+        try:
+            for at, data in self.http.events(call.path, call.body):
+                chunk = call.decode(at, data)
+                if chunk is not None:
+                    yield chunk
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise BackendProtocolError(
+                self.name, self.http.url(call.path), f"malformed stream event: {exc}"
+            ) from None
 
     def health(self) -> HealthResult:
         return self.http.health()

@@ -121,26 +121,42 @@ class HttpSession:
             ) as resp:
                 self._check(path, resp)
                 for line in resp.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
                     now = time.perf_counter()
-                    if payload == "[DONE]":
+                    data = sse_data(self.backend, url, line)
+                    if data is DONE:
                         return
-                    try:
-                        data = json.loads(payload)
-                    except json.JSONDecodeError:
-                        raise BackendProtocolError(
-                            self.backend, url, f"stream event is not JSON: {payload[:120]!r}"
-                        ) from None
-                    if _is_error(data):
-                        err = data.get("error", data)
-                        msg = err.get("message") if isinstance(err, dict) else err
-                        raise BackendHTTPError(self.backend, url, 500, f"error in stream: {msg}")
-                    yield now, data
+                    if data is not None:
+                        yield now, data
         except httpx.HTTPError as exc:
             raise self._fail(path, exc) from None
         raise BackendProtocolError(self.backend, url, "the stream ended without [DONE]")
+
+
+# The end-of-stream marker SGLang, vLLM and OpenAI send as `data: [DONE]`.
+DONE: Any = object()
+
+
+def sse_data(backend: str, url: str, line: str) -> Any:
+    """One line of a server-sent event stream: its JSON, `DONE`, or None for other lines.
+
+    An error event raises, so a stream that fails midway is never read as a short answer.
+    """
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == "[DONE]":
+        return DONE
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError:
+        raise BackendProtocolError(
+            backend, url, f"stream event is not JSON: {payload[:120]!r}"
+        ) from None
+    if _is_error(data):
+        err = data.get("error", data)
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise BackendHTTPError(backend, url, 500, f"error in stream: {msg}")
+    return data
 
 
 def _is_error(data: Any) -> bool:

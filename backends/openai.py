@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from kdctl.backends._base import HttpBackend
+from kdctl.backends._base import HttpBackend, StreamCall
 from kdctl.backends._types import (
     EngineInfo,
     GenerateRequest,
@@ -137,36 +136,29 @@ class OpenAIBackend(HttpBackend):
         except (TypeError, ValueError, KeyError, IndexError) as exc:
             raise BackendProtocolError(self.name, url, f"malformed answer: {exc}") from None
 
-    def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
-        url = self.http.url("/v1/completions")
-        try:
-            yield from self._stream(req)
-        except (TypeError, ValueError, KeyError, IndexError) as exc:
-            raise BackendProtocolError(self.name, url, f"malformed stream chunk: {exc}") from None
+    def stream_call(self, req: GenerateRequest) -> StreamCall:
+        return StreamCall("/v1/completions", self._body(req, stream=True), self._read)
 
-    def _stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
-        for at, data in self.http.events("/v1/completions", self._body(req, stream=True)):
-            choices = data.get("choices") if isinstance(data, dict) else None
-            usage = data.get("usage") if isinstance(data, dict) else None
-            if not choices:
-                if usage:
-                    yield StreamChunk(
-                        received_at=at,
-                        prompt_tokens=usage.get("prompt_tokens"),
-                        completion_tokens=usage.get("completion_tokens"),
-                    )
-                continue
-            choice = choices[0]
-            ids = choice.get("token_ids") or [t.token_id for t in self._logprobs(choice, 0)]
-            reason = choice.get("finish_reason")
-            yield StreamChunk(
+    def _read(self, at: float, data: Any) -> StreamChunk | None:
+        choices = data.get("choices") if isinstance(data, dict) else None
+        usage = data.get("usage") if isinstance(data, dict) else None
+        if not choices:
+            if not usage:
+                return None
+            return StreamChunk(
                 received_at=at,
-                output_ids=[int(i) for i in ids],
-                text=choice.get("text") or "",
-                finish_reason=(reason if reason in ("length", "stop") else "abort")
-                if reason
-                else None,
+                prompt_tokens=usage.get("prompt_tokens"),
+                completion_tokens=usage.get("completion_tokens"),
             )
+        choice = choices[0]
+        ids = choice.get("token_ids") or [t.token_id for t in self._logprobs(choice, 0)]
+        reason = choice.get("finish_reason")
+        return StreamChunk(
+            received_at=at,
+            output_ids=[int(i) for i in ids],
+            text=choice.get("text") or "",
+            finish_reason=(reason if reason in ("length", "stop") else "abort") if reason else None,
+        )
 
     def chat(
         self, messages: list[dict[str, str]], *, max_tokens: int = 16, temperature: float = 0.0

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
 
-from kdctl.backends._base import HttpBackend
+from kdctl.backends._base import HttpBackend, StreamCall
 from kdctl.backends._types import (
     EngineInfo,
     FinishReason,
@@ -131,33 +130,41 @@ class SGLangBackend(HttpBackend):
     def generate(self, req: GenerateRequest) -> GenerateResult:
         return self._result(self.http.json("POST", "/generate", self._body(req, stream=False)))
 
-    def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
-        # SGLang streams cumulative text and output_ids; chunks carry only what is new.
-        seen_ids, seen_text = 0, ""
-        for at, data in self.http.events("/generate", self._body(req, stream=True)):
-            if not isinstance(data, dict):
-                raise BackendProtocolError(self.name, self.http.url("/generate"), "bad event")
-            ids = data.get("output_ids") or []
-            text = data.get("text") or ""
-            meta = data.get("meta_info") or {}
-            finish = meta.get("finish_reason")
-            done = meta.get("completion_tokens")
-            # Cumulative by default; with --incremental-streaming-output each event carries
-            # only its own tokens, which the running count tells apart.
-            incremental = isinstance(done, int) and seen_ids > 0 and done > len(ids)
-            new_ids = list(ids) if incremental else list(ids[seen_ids:])
-            yield StreamChunk(
-                received_at=at,
-                output_ids=new_ids,
-                text=text
-                if incremental or not text.startswith(seen_text)
-                else text[len(seen_text) :],
-                finish_reason=_finish(finish)[0] if finish else None,
-                prompt_tokens=meta.get("prompt_tokens"),
-                completion_tokens=meta.get("completion_tokens"),
-            )
-            seen_ids = seen_ids + len(new_ids)
-            seen_text = seen_text + text if incremental else text
+    def stream_call(self, req: GenerateRequest) -> StreamCall:
+        return StreamCall("/generate", self._body(req, stream=True), _CumulativeReader().read)
+
+
+class _CumulativeReader:
+    """SGLang streams cumulative text and output_ids; chunks carry only what is new."""
+
+    def __init__(self) -> None:
+        self.seen_ids = 0
+        self.seen_text = ""
+
+    def read(self, at: float, data: Any) -> StreamChunk:
+        if not isinstance(data, dict):
+            raise ValueError("an event is not a JSON object")
+        ids = data.get("output_ids") or []
+        text = data.get("text") or ""
+        meta = data.get("meta_info") or {}
+        finish = meta.get("finish_reason")
+        done = meta.get("completion_tokens")
+        # Cumulative by default; with --incremental-streaming-output each event carries
+        # only its own tokens, which the running count tells apart.
+        incremental = isinstance(done, int) and self.seen_ids > 0 and done > len(ids)
+        new_ids = list(ids) if incremental else list(ids[self.seen_ids :])
+        fresh = incremental or not text.startswith(self.seen_text)
+        new_text = text if fresh else text[len(self.seen_text) :]
+        self.seen_ids += len(new_ids)
+        self.seen_text = self.seen_text + text if incremental else text
+        return StreamChunk(
+            received_at=at,
+            output_ids=new_ids,
+            text=new_text,
+            finish_reason=_finish(finish)[0] if finish else None,
+            prompt_tokens=meta.get("prompt_tokens"),
+            completion_tokens=meta.get("completion_tokens"),
+        )
 
 
 def _finish(finish: Any) -> tuple[FinishReason, int | str | None]:

@@ -18,12 +18,20 @@ from kdctl.inventory import LoadedInventory
 # this and never reach into the store, which sits above them.
 BaselineLookup = Callable[[str, BaselineKind, str], Baseline | None]
 
+# (what is running, units done, units in all): long gates report through this, the CLI draws it.
+ProgressHook = Callable[[str, int, int], None]
+
 
 @dataclass
 class GateContext:
     inventory: LoadedInventory
     backend: Callable[[str], Backend]
     baseline_lookup: BaselineLookup
+    progress: ProgressHook | None = None
+
+    def report(self, what: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(what, done, total)
 
 
 class Gate(abc.ABC):
@@ -62,8 +70,9 @@ def provenance_of(
 def _builtin() -> dict[str, type[Gate]]:
     from kdctl.checks.exactness import ExactnessGate
     from kdctl.checks.health import HealthGate
+    from kdctl.checks.throughput import ThroughputGate
 
-    return {g.name: g for g in (HealthGate, ExactnessGate)}
+    return {g.name: g for g in (HealthGate, ExactnessGate, ThroughputGate)}
 
 
 def gates() -> dict[str, type[Gate]]:

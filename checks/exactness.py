@@ -64,15 +64,22 @@ def load_corpus(path: Path) -> list[dict[str, Any]]:
 
 def corpus_path(ctx: GateContext, settings: ExactnessSettings) -> Path:
     """The configured corpus, relative to the inventory; else the one kdctl ships."""
-    if settings.corpus is None:
-        return Path(str(files("kdctl.roadmap").joinpath("prompts").joinpath(DEFAULT_CORPUS)))
-    path = local_path(settings.corpus, ctx.inventory.path.parent)
+    return prompt_file(ctx, settings.corpus, "gates.exactness.corpus")
+
+
+def prompt_file(ctx: GateContext, configured: Path | None, field: str) -> Path:
+    """A prompt file named in the inventory: relative to it, else one shipped under
+    roadmap/prompts/; unset, the sandbox corpus."""
+    shipped_dir = files("kdctl.roadmap").joinpath("prompts")
+    if configured is None:
+        return Path(str(shipped_dir.joinpath(DEFAULT_CORPUS)))
+    path = local_path(configured, ctx.inventory.path.parent)
     if path.exists():
         return path
-    shipped = files("kdctl.roadmap").joinpath("prompts").joinpath(settings.corpus.name)
+    shipped = shipped_dir.joinpath(configured.name)
     if shipped.is_file():
         return Path(str(shipped))
-    raise InputError(f"gates.exactness.corpus: {settings.corpus} does not exist")
+    raise InputError(f"{field}: {configured} does not exist")
 
 
 def workload_hash(corpus: list[dict[str, Any]], settings: ExactnessSettings) -> str:

@@ -42,6 +42,8 @@ out = Console(
     highlight=False,
     width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200),
 )
+# Progress goes to stderr, so `--json` and piped tables on stdout stay clean.
+err = Console(stderr=True, highlight=False)
 
 InventoryOpt = Annotated[
     Path | None,
@@ -165,10 +167,10 @@ def gate_run(
 ) -> None:
     """Run a gate and record its result. Exit 0 pass, 1 fail or inconclusive, 3 error."""
     from kdctl.gating import run_gates
-    from kdctl.render import evidence_table
+    from kdctl.render import evidence_table, progress_bars
 
     inv = _load(inventory, state_dir)
-    with _store_for(inv) as store:
+    with _store_for(inv) as store, progress_bars(err, not json_) as progress:
         results = run_gates(
             inv,
             store,
@@ -176,6 +178,7 @@ def gate_run(
             backend,
             baseline,
             on_start=None if json_ else lambda name: err_print(f"running {name} on {backend}..."),
+            progress=progress,
         )
     if json_:
         _print_json({"results": [r.model_dump(mode="json") for r in results]})
@@ -194,23 +197,27 @@ def baseline_record(
     inventory: InventoryOpt = None,
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
+    only: Annotated[
+        str | None, typer.Option("--only", help="Record only `golden` or `throughput`.")
+    ] = None,
 ) -> None:
-    """Record golden outputs (token ids and top-k logprobs over the exactness corpus)."""
-    from kdctl.gating import record_baseline
+    """Record golden outputs (token ids and top-k logprobs over the exactness corpus) and a
+    throughput run of the gate's workload, from the engine serving today."""
+    from kdctl.errors import InputError
+    from kdctl.gating import BASELINE_KINDS, record_baseline
+    from kdctl.render import baseline_line, progress_bars
 
+    if only is not None and only not in BASELINE_KINDS:
+        raise InputError(f"--only: {only!r} is not one of {', '.join(BASELINE_KINDS)}")
+    kinds = BASELINE_KINDS if only is None else (only,)
     inv = _load(inventory, state_dir)
-    with _store_for(inv) as store:
-        recorded = record_baseline(inv, store, backend)
+    with _store_for(inv) as store, progress_bars(err, not json_) as progress:
+        recorded = record_baseline(inv, store, backend, kinds, progress=progress)  # type: ignore[arg-type]
     if json_:
         _print_json({"baselines": [b.model_dump(mode="json") for b in recorded]})
         return
     for b in recorded:
-        outputs = len(b.payload.get("outputs", []))
-        out.print(
-            f"recorded {b.kind} baseline {b.id[:12]} from {b.backend}: {outputs} prompts, "
-            f"workload {b.workload_hash}",
-            markup=False,
-        )
+        out.print(baseline_line(b), markup=False)
 
 
 def err_print(message: str) -> None:

@@ -6,9 +6,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kdctl.backends import Backend, make_backend
-from kdctl.checks._gate import GateContext, gate_class, gates
+from kdctl.checks._gate import GateContext, ProgressHook, gate_class, gates
 from kdctl.checks.exactness import record_golden
 from kdctl.checks.result import Baseline, BaselineKind, GateResult, utcnow
+from kdctl.checks.throughput import record_throughput
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
@@ -16,7 +17,9 @@ from kdctl.transports import TransportPool
 
 
 @contextmanager
-def gate_context(inv: LoadedInventory, store: EvidenceStore) -> Iterator[GateContext]:
+def gate_context(
+    inv: LoadedInventory, store: EvidenceStore, progress: ProgressHook | None = None
+) -> Iterator[GateContext]:
     with TransportPool(inv) as pool:
 
         def backend(name: str) -> Backend:
@@ -29,7 +32,7 @@ def gate_context(inv: LoadedInventory, store: EvidenceStore) -> Iterator[GateCon
             found = store.baselines(backend=name, kind=kind, workload_hash=workload)
             return found[0] if found else None
 
-        yield GateContext(inventory=inv, backend=backend, baseline_lookup=lookup)
+        yield GateContext(inventory=inv, backend=backend, baseline_lookup=lookup, progress=progress)
 
 
 def _check_names(inv: LoadedInventory, *names: str | None) -> None:
@@ -47,12 +50,13 @@ def run_gates(
     baseline: str | None,
     *,
     on_start: Callable[[str], None] | None = None,
+    progress: ProgressHook | None = None,
 ) -> list[GateResult]:
     """Run one gate or `all`, record every result as evidence, and return them."""
     _check_names(inv, backend, baseline)
     names = sorted(gates()) if gate == "all" else [gate_class(gate).name]
     results = []
-    with gate_context(inv, store) as ctx:
+    with gate_context(inv, store, progress) as ctx:
         for name in names:
             cls = gate_class(name)
             if on_start:
@@ -74,10 +78,27 @@ def run_gates(
     return results
 
 
-def record_baseline(inv: LoadedInventory, store: EvidenceStore, backend: str) -> list[Baseline]:
-    """Golden outputs from the engine serving today, kept as evidence."""
+BASELINE_KINDS: tuple[BaselineKind, ...] = ("golden", "throughput")
+
+
+def record_baseline(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    backend: str,
+    kinds: tuple[BaselineKind, ...] = BASELINE_KINDS,
+    *,
+    progress: ProgressHook | None = None,
+) -> list[Baseline]:
+    """Golden outputs and a throughput run from the engine serving today, kept as evidence.
+
+    Each is stored as soon as it is measured, so a failure in the second keeps the first.
+    """
     _check_names(inv, backend)
-    with gate_context(inv, store) as ctx:
-        golden = record_golden(ctx, backend)
-    store.record_baseline(golden)
-    return [golden]
+    recorders = {"golden": record_golden, "throughput": record_throughput}
+    recorded = []
+    with gate_context(inv, store, progress) as ctx:
+        for kind in kinds:
+            baseline = recorders[kind](ctx, backend)
+            store.record_baseline(baseline)
+            recorded.append(baseline)
+    return recorded

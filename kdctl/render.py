@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from rich.console import Group
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console, Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from kdctl.checks.result import GateResult
+from kdctl.checks.result import Baseline, GateResult
 from kdctl.inventory import LoadedInventory
 from kdctl.status import StatusReport
 
@@ -176,3 +180,43 @@ def evidence_detail(r: GateResult) -> Group:
         *[f"- {reason}" for reason in r.reasons],
     ]
     return Group(head, Text("\n".join(lines)), metrics)
+
+
+@contextmanager
+def progress_bars(
+    console: Console, enabled: bool = True
+) -> Iterator[Callable[[str, int, int], None]]:
+    """A hook that long steps call with (what, done, total); one bar per `what`, drawn on the
+    console while it is a terminal and skipped otherwise (CI logs get the final tables only)."""
+    if not enabled or not console.is_terminal:
+        yield lambda what, done, total: None
+        return
+    bars: dict[str, int] = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+
+        def hook(what: str, done: int, total: int) -> None:
+            if what not in bars:
+                bars[what] = progress.add_task(what, total=total)
+            progress.update(bars[what], completed=done, total=total)
+
+        yield hook
+
+
+def baseline_line(b: Baseline) -> str:
+    """One line per recorded baseline: what it holds, in the figures a person checks first."""
+    head = f"recorded {b.kind} baseline {b.id[:12]} from {b.backend}"
+    if b.kind == "golden":
+        return f"{head}: {len(b.payload.get('outputs', []))} prompts, workload {b.workload_hash}"
+    points = ", ".join(
+        f"concurrency {p['max_concurrency']}: {p['output_throughput']:.1f} tok/s, "
+        f"median TTFT {_ms(p['ttft_ms']['p50'])}, {p['failed']} failed"
+        for p in b.payload.get("points", [])
+    )
+    return f"{head}: {points}; workload {b.workload_hash}"

@@ -209,19 +209,47 @@ class RouterSpec(_Model):
 
 
 class ThroughputWorkload(_Model):
+    """What the load generator sends. Its hash ties a candidate's run to the baseline's."""
+
     input_len: Annotated[int, Field(ge=1)] = 1024
     output_len: Annotated[int, Field(ge=1)] = 256
-    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8, 32])
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [1, 8, 32], min_length=1
+    )
     num_prompts: Annotated[int, Field(ge=1)] = 200
+    # Requests a second (Poisson, or gamma with burstiness); unset sends all at once, paced
+    # only by the concurrency cap.
     request_rate: Annotated[float, Field(gt=0)] | None = None
     burstiness: Annotated[float, Field(gt=0)] = 1.0
+    # Excluded from the figures; unset means one per concurrency slot.
+    warmup_requests: Annotated[int, Field(ge=0)] | None = None
+    # A JSONL prompt file (as the exactness corpus); unset draws random token ids, no download.
+    prompts: Path | None = None
+    # Random token ids are drawn from [low, high): keep it inside the model's vocabulary.
+    token_range: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)]] = (10, 1000)
+    seed: int = 0
+    ignore_eos: bool = True
+
+    @model_validator(mode="after")
+    def _range(self) -> ThroughputWorkload:
+        if self.token_range[0] >= self.token_range[1]:
+            raise ValueError("token_range must be [low, high) with low < high")
+        return self
 
 
 class ThroughputSettings(_Model):
     workload: ThroughputWorkload = ThroughputWorkload()
+    # Candidate output token throughput over the baseline's, at every concurrency.
     min_ratio: Annotated[float, Field(gt=0)] = 1.0
     slo_ttft_ms: Annotated[float, Field(gt=0)] | None = None
     slo_itl_ms: Annotated[float, Field(gt=0)] | None = None
+    slo_tpot_ms: Annotated[float, Field(gt=0)] | None = None
+    slo_e2el_ms: Annotated[float, Field(gt=0)] | None = None
+    # Which percentile of each latency the SLOs bound.
+    slo_percentile: Literal["p50", "p90", "p99"] = "p99"
+    max_failed_requests: Annotated[int, Field(ge=0)] = 0
+    client: Literal["aiohttp", "httpx"] = "aiohttp"
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
 
 
 class ExactnessSettings(_Model):

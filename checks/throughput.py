@@ -1,0 +1,260 @@
+"""throughput: kdctl's load generator against the candidate, compared with the baseline's run of
+the same workload (the same workload hash) as a ratio, plus absolute latency SLOs.
+
+The baseline's run is normally recorded earlier (`kdctl baseline record`), because on one 8-GPU
+box the two engines cannot serve at once; where the baseline is up and has no recorded run, it
+is measured live, before the candidate.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kdctl.backends import Backend, GenerateRequest, HttpBackend
+from kdctl.checks._gate import Gate, GateContext, provenance_of
+from kdctl.checks.exactness import load_corpus, prompt_file
+from kdctl.checks.result import Baseline, GateResult, Metric, Verdict, content_hash, utcnow
+from kdctl.errors import InputError, KdctlError
+from kdctl.inventory.models import ThroughputSettings
+from kdctl.load import SLO, BenchMetrics, LoadPlan, run_load
+
+_SLOS = (
+    ("ttft", "slo_ttft_ms"),
+    ("itl", "slo_itl_ms"),
+    ("tpot", "slo_tpot_ms"),
+    ("e2el", "slo_e2el_ms"),
+)
+
+
+def build_requests(
+    ctx: GateContext, settings: ThroughputSettings
+) -> tuple[list[GenerateRequest], str]:
+    """The workload's requests and its hash: random token ids from the seed, or a prompt file
+    cycled to `num_prompts`."""
+    w = settings.workload
+    if w.prompts is None:
+        rng = random.Random(w.seed)  # noqa: S311 - a workload, not a secret
+        low, high = w.token_range
+        prompts: list[dict[str, Any]] = [
+            {"input_ids": [rng.randrange(low, high) for _ in range(w.input_len)]}
+            for _ in range(w.num_prompts)
+        ]
+    else:
+        corpus = load_corpus(prompt_file(ctx, w.prompts, "gates.throughput.workload.prompts"))
+        prompts = [corpus[i % len(corpus)] for i in range(w.num_prompts)]
+    requests = [
+        GenerateRequest(
+            text=p.get("prompt"),
+            input_ids=p.get("input_ids"),
+            max_new_tokens=w.output_len,
+            temperature=0.0,
+            ignore_eos=w.ignore_eos,
+        )
+        for p in prompts
+    ]
+    workload = content_hash(
+        {
+            "workload": w.model_dump(mode="json", exclude={"prompts"}),
+            "prompts": prompts,
+            "client": settings.client,
+        }
+    )[:16]
+    return requests, workload
+
+
+def measure(
+    ctx: GateContext, be: Backend, settings: ThroughputSettings, requests: list[GenerateRequest]
+) -> list[BenchMetrics]:
+    """One load run per concurrency of the workload, in order."""
+    if not isinstance(be, HttpBackend):
+        raise InputError(
+            f"backend {be.name}: the throughput gate needs a served engine with a streaming HTTP "
+            f"API; kind {be.kind} in this mode has none"
+        )
+    w = settings.workload
+    slo = SLO(
+        ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms, e2el_ms=settings.slo_e2el_ms
+    )
+    points = []
+    for conc in w.concurrency:
+        plan = LoadPlan(
+            max_concurrency=conc,
+            request_rate=w.request_rate,
+            burstiness=w.burstiness,
+            warmup_requests=conc if w.warmup_requests is None else w.warmup_requests,
+            seed=w.seed,
+            client=settings.client,
+            timeout_s=settings.request_timeout_s,
+            slo=slo,
+            output_len=w.output_len if w.ignore_eos else None,
+        )
+        what = f"throughput {be.name} at concurrency {conc}"
+        ctx.report(what, 0, len(requests))
+        points.append(
+            run_load(be, requests, plan, on_progress=lambda d, t, what=what: ctx.report(what, d, t))
+        )
+    return points
+
+
+def record_throughput(ctx: GateContext, backend: str) -> Baseline:
+    """The throughput run of the engine serving today, for later comparison with a candidate."""
+    settings = ctx.inventory.spec.gates.throughput
+    requests, workload = build_requests(ctx, settings)
+    with ctx.backend(backend) as be:
+        info = be.info()
+        points = measure(ctx, be, settings, requests)
+    return Baseline(
+        backend=backend,
+        kind="throughput",
+        workload_hash=workload,
+        provenance=provenance_of(ctx, backend, info, workload),
+        payload={"points": [p.model_dump(mode="json") for p in points]},
+    )
+
+
+class ThroughputGate(Gate):
+    name = "throughput"
+    description = "output token throughput against the baseline's, and latency SLOs"
+
+    def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
+        started = utcnow()
+        settings = ctx.inventory.spec.gates.throughput
+        requests, workload = build_requests(ctx, settings)
+        info = None
+        source = ""
+        base_points: list[BenchMetrics] | None = None
+        try:
+            if baseline is not None:
+                recorded = ctx.baseline_lookup(baseline, "throughput", workload)
+                if recorded is not None:
+                    base_points = [
+                        BenchMetrics.model_validate(p) for p in recorded.payload["points"]
+                    ]
+                    source = f"{baseline}'s run recorded {recorded.created_at:%Y-%m-%d %H:%M}Z"
+                else:
+                    with ctx.backend(baseline) as base_be:
+                        base_points = measure(ctx, base_be, settings, requests)
+                    source = f"{baseline} measured live now"
+            with ctx.backend(backend) as be:
+                info = be.info()
+                points = measure(ctx, be, settings, requests)
+        except KdctlError as exc:
+            return GateResult(
+                gate=self.name,
+                backend=backend,
+                baseline=baseline,
+                verdict="error",
+                reasons=[str(exc)],
+                provenance=provenance_of(ctx, backend, info, workload),
+                started_at=started,
+                ended_at=utcnow(),
+            )
+        metrics, reasons, verdict = judge(settings, points, base_points)
+        if source:
+            reasons.insert(0, f"compared with {source}")
+        return GateResult(
+            gate=self.name,
+            backend=backend,
+            baseline=baseline,
+            verdict=verdict,
+            metrics=metrics,
+            reasons=reasons,
+            provenance=provenance_of(ctx, backend, info, workload),
+            details={
+                "points": [p.model_dump(mode="json") for p in points],
+                "baseline_points": [p.model_dump(mode="json") for p in base_points or []],
+            },
+            started_at=started,
+            ended_at=utcnow(),
+        )
+
+
+def judge(
+    settings: ThroughputSettings,
+    points: list[BenchMetrics],
+    base_points: list[BenchMetrics] | None,
+) -> tuple[list[Metric], list[str], Verdict]:
+    """Every concurrency must hold the ratio and every SLO; with neither a baseline nor an SLO
+    there is nothing to decide on, which is inconclusive, never a pass."""
+    pct = settings.slo_percentile
+    metrics: list[Metric] = []
+    reasons: list[str] = []
+    decided = False
+    base_by = {b.max_concurrency: b for b in base_points or []}
+    for p in points:
+        c = f"c{p.max_concurrency}"
+        metrics += [
+            Metric(name=f"{c}.output_throughput", value=p.output_throughput, unit="tok/s"),
+            Metric(name=f"{c}.request_throughput", value=p.request_throughput, unit="req/s"),
+            Metric(
+                name=f"{c}.failed",
+                value=p.failed,
+                threshold=settings.max_failed_requests,
+                comparison="<=",
+            ),
+        ]
+        if p.request_goodput is not None:
+            metrics.append(
+                Metric(name=f"{c}.request_goodput", value=p.request_goodput, unit="req/s")
+            )
+        for stat in ("ttft", "itl", "tpot", "e2el"):
+            s = getattr(p, f"{stat}_ms")
+            metrics.append(Metric(name=f"{c}.median_{stat}_ms", value=s.p50, unit="ms"))
+        for stat, field in _SLOS:
+            limit = getattr(settings, field)
+            value = getattr(getattr(p, f"{stat}_ms"), pct)
+            metrics.append(
+                Metric(
+                    name=f"{c}.{pct}_{stat}_ms",
+                    value=value,
+                    unit="ms",
+                    threshold=limit,
+                    comparison="<=" if limit is not None else None,
+                )
+            )
+            if limit is not None:
+                decided = True
+                if value is None or value > limit:
+                    reasons.append(
+                        f"concurrency {p.max_concurrency}: {pct} {stat.upper()} "
+                        f"{_ms(value)} breaks the SLO of {limit:g} ms"
+                    )
+        if p.failed > settings.max_failed_requests:
+            reasons.append(
+                f"concurrency {p.max_concurrency}: {p.failed}/{p.requests} requests failed "
+                f"({'; '.join(p.errors[:3])})"
+            )
+        if p.token_count_mismatches:
+            reasons.append(
+                f"concurrency {p.max_concurrency}: {p.token_count_mismatches} streams carried a "
+                "token count other than the server's usage"
+            )
+        if base_points is not None:
+            base = base_by.get(p.max_concurrency)
+            if base is None or base.output_throughput <= 0:
+                reasons.append(f"concurrency {p.max_concurrency}: the baseline has no usable run")
+                continue
+            decided = True
+            ratio = round(p.output_throughput / base.output_throughput, 4)
+            metrics.append(
+                Metric(
+                    name=f"{c}.ratio", value=ratio, threshold=settings.min_ratio, comparison=">="
+                )
+            )
+            word = "holds" if ratio >= settings.min_ratio else "is below"
+            reasons.append(
+                f"concurrency {p.max_concurrency}: {p.output_throughput:.1f} tok/s against "
+                f"{base.output_throughput:.1f}, ratio {ratio:.3f} {word} {settings.min_ratio:g}"
+            )
+    failing = [m for m in metrics if m.passed is False]
+    if failing:
+        return metrics, reasons, "fail"
+    if not decided:
+        reasons.append("no baseline and no SLO set: nothing to judge the figures against")
+        return metrics, reasons, "inconclusive"
+    return metrics, reasons, "pass"
+
+
+def _ms(value: float | None) -> str:
+    return "unmeasured" if value is None else f"{value:.1f} ms"

@@ -1,0 +1,22 @@
+"""kdctl's load generator: streamed requests at a fixed concurrency or on Poisson arrivals,
+measured as `vllm bench serve` measures them, through each backend's own protocol."""
+
+from kdctl.load._clients import CLIENTS, RequestFailed, StreamClient, client_class
+from kdctl.load._runner import LoadPlan, Progress, arrival_offsets, run_load
+from kdctl.load._stats import SLO, BenchMetrics, RequestRecord, Stats, percentile
+
+__all__ = [
+    "CLIENTS",
+    "SLO",
+    "BenchMetrics",
+    "LoadPlan",
+    "Progress",
+    "RequestFailed",
+    "RequestRecord",
+    "Stats",
+    "StreamClient",
+    "arrival_offsets",
+    "client_class",
+    "percentile",
+    "run_load",
+]

@@ -1,0 +1,168 @@
+"""The load generator: requests sent at fixed concurrency or on Poisson (gamma) arrivals, each
+one streamed and timed on arrival of every chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from kdctl.backends import GenerateRequest, HttpBackend
+from kdctl.backends._http import DONE, sse_data
+from kdctl.backends.errors import BackendError
+from kdctl.backends.health import bearer
+from kdctl.load._clients import RequestFailed, StreamClient, client_class
+from kdctl.load._stats import SLO, BenchMetrics, RequestRecord
+
+# (requests finished, requests in the run): called on the event loop after each one.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    max_concurrency: int
+    # Requests a second; None sends every request at once and lets the concurrency cap pace them.
+    request_rate: float | None = None
+    # The gamma shape of arrival gaps: 1 is Poisson, below 1 burstier, above 1 more regular.
+    burstiness: float = 1.0
+    warmup_requests: int = 0
+    seed: int = 0
+    client: str = "aiohttp"
+    timeout_s: float = 600.0
+    slo: SLO | None = None
+    # With ignore_eos every request should produce this many tokens; fewer is reported.
+    output_len: int | None = None
+
+
+def arrival_offsets(n: int, rate: float | None, burstiness: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent.
+
+    Gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)) and then rescaled so that the
+    whole schedule lasts n/rate, as `vllm bench serve` does, which keeps runs of different seeds
+    comparable.
+    """
+    if rate is None or n == 0:
+        return [0.0] * n
+    rng = random.Random(seed)  # noqa: S311 - arrival times, not a secret
+    gaps = [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
+    cumulative = list(itertools.accumulate(gaps))
+    scale = (n / rate) / cumulative[-1]
+    return [c * scale for c in cumulative]
+
+
+async def _one(
+    backend: HttpBackend, client: StreamClient, req: GenerateRequest, rec: RequestRecord
+) -> None:
+    call = backend.stream_call(req)
+    url = backend.http.url(call.path)
+    rec.started_at = start = time.perf_counter()
+    last = start
+    server_out: int | None = None
+    server_in: int | None = None
+    finish = None
+    ended = False
+    try:
+        async with aclosing(client.lines(url, call.body)) as lines:
+            async for at, line in lines:
+                data = sse_data(backend.name, url, line)
+                if data is None:
+                    continue
+                if data is DONE:
+                    ended = True
+                    break
+                chunk = call.decode(at, data)
+                if chunk is None:
+                    continue
+                if chunk.output_ids or chunk.text:
+                    if rec.ttft_s is None:
+                        rec.ttft_s = at - start
+                    else:
+                        rec.itl_s.append(at - last)
+                    last = at
+                    rec.streamed_tokens += len(chunk.output_ids)
+                if chunk.completion_tokens is not None:
+                    server_out = chunk.completion_tokens
+                if chunk.prompt_tokens is not None:
+                    server_in = chunk.prompt_tokens
+                finish = chunk.finish_reason or finish
+        if not ended:
+            raise RequestFailed("the stream ended without [DONE]")
+        if finish == "abort":
+            raise RequestFailed("the server aborted the request")
+        rec.e2el_s = time.perf_counter() - start
+        rec.output_tokens = server_out if server_out is not None else rec.streamed_tokens
+        rec.prompt_tokens = server_in if server_in is not None else len(req.input_ids or [])
+        rec.ok = True
+    except (RequestFailed, BackendError) as exc:
+        rec.error = str(exc)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        rec.error = f"malformed stream event: {exc}"
+
+
+async def _run(
+    backend: HttpBackend,
+    requests: Sequence[GenerateRequest],
+    plan: LoadPlan,
+    on_progress: Progress | None,
+) -> tuple[list[RequestRecord], float, str]:
+    cls = client_class(plan.client)
+    client = cls(bearer(backend.api_key), connections=plan.max_concurrency, timeout=plan.timeout_s)
+    gate = asyncio.Semaphore(plan.max_concurrency)
+
+    async def limited(req: GenerateRequest, rec: RequestRecord) -> None:
+        async with gate:
+            await _one(backend, client, req, rec)
+
+    try:
+        if plan.warmup_requests and requests:
+            warm = [RequestRecord(started_at=0.0) for _ in range(plan.warmup_requests)]
+            await asyncio.gather(*(limited(requests[0], r) for r in warm))
+        records = [RequestRecord(started_at=0.0) for _ in requests]
+        offsets = arrival_offsets(len(requests), plan.request_rate, plan.burstiness, plan.seed)
+        done = 0
+
+        def finished(_: object) -> None:
+            nonlocal done
+            done += 1
+            if on_progress:
+                on_progress(done, len(requests))
+
+        t0 = time.perf_counter()
+        tasks = []
+        for req, rec, offset in zip(requests, records, offsets, strict=True):
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(limited(req, rec))
+            task.add_done_callback(finished)
+            tasks.append(task)
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    finally:
+        await client.aclose()
+    return records, duration, cls.name
+
+
+def run_load(
+    backend: HttpBackend,
+    requests: Sequence[GenerateRequest],
+    plan: LoadPlan,
+    *,
+    on_progress: Progress | None = None,
+) -> BenchMetrics:
+    """Send `requests` through the backend's own streaming protocol and measure them."""
+    records, duration, client = asyncio.run(_run(backend, requests, plan, on_progress))
+    return BenchMetrics.of(
+        records,
+        duration,
+        max_concurrency=plan.max_concurrency,
+        request_rate=plan.request_rate,
+        burstiness=plan.burstiness,
+        client=client,
+        output_len=plan.output_len,
+        slo=plan.slo,
+    )

@@ -1,0 +1,167 @@
+"""The metrics record of a load run, with the names `vllm bench serve` and SGLang's
+bench_serving use: TTFT, ITL, TPOT, E2EL, throughput and goodput."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+
+@dataclass
+class RequestRecord:
+    """One timed request, as the client saw it (times in seconds, time.perf_counter())."""
+
+    started_at: float
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    # The server's count (usage / meta_info); the streamed count cross-checks it.
+    output_tokens: int = 0
+    streamed_tokens: int = 0
+    ttft_s: float | None = None
+    e2el_s: float | None = None
+    # Gaps between successive token-bearing chunks, pooled over requests as vLLM does.
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2EL - TTFT) / (output tokens - 1), defined only beyond one output token."""
+        if self.ttft_s is None or self.e2el_s is None or self.output_tokens <= 1:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+class Stats(BaseModel):
+    """mean, p50, p90, p99 of one latency metric, in milliseconds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Stats:
+        if not seconds:
+            return cls()
+        ms = sorted(s * 1000.0 for s in seconds)
+        return cls(
+            mean=round(sum(ms) / len(ms), 3),
+            p50=round(percentile(ms, 50), 3),
+            p90=round(percentile(ms, 90), 3),
+            p99=round(percentile(ms, 99), 3),
+        )
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks, as numpy.percentile does by default."""
+    if not ordered:
+        raise ValueError("no values")
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class SLO(BaseModel):
+    """Per-request service levels: a request is good only if it meets every one given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def met_by(self, r: RequestRecord) -> bool:
+        checks = (
+            (self.ttft_ms, r.ttft_s),
+            # A request with one output token has TPOT 0 for goodput, as in vLLM.
+            (self.tpot_ms, r.tpot_s if r.tpot_s is not None else 0.0),
+            (self.e2el_ms, r.e2el_s),
+        )
+        return all(
+            limit is None or (value is not None and value * 1000.0 <= limit)
+            for limit, value in checks
+        )
+
+
+class BenchMetrics(BaseModel):
+    """One load run at one concurrency (or request rate), warm-up excluded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrency: int
+    request_rate: float | None = None
+    burstiness: float = 1.0
+    client: str
+    requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    request_goodput: float | None = None
+    ttft_ms: Stats
+    tpot_ms: Stats
+    itl_ms: Stats
+    e2el_ms: Stats
+    # Requests whose streamed token count disagreed with the server's own count.
+    token_count_mismatches: int = 0
+    # Requests that stopped before the asked output length although `ignore_eos` was set.
+    short_outputs: int = 0
+    errors: list[str] = []
+
+    @classmethod
+    def of(
+        cls,
+        records: Sequence[RequestRecord],
+        duration_s: float,
+        *,
+        max_concurrency: int,
+        request_rate: float | None,
+        burstiness: float,
+        client: str,
+        output_len: int | None,
+        slo: SLO | None,
+    ) -> BenchMetrics:
+        done = [r for r in records if r.ok]
+        failed = [r for r in records if not r.ok]
+        dur = max(duration_s, 1e-9)
+        out_tokens = sum(r.output_tokens for r in done)
+        in_tokens = sum(r.prompt_tokens for r in done)
+        wanted_slo = slo is not None and any(
+            v is not None for v in (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms)
+        )
+        good = sum(1 for r in done if slo is not None and slo.met_by(r)) if wanted_slo else None
+        distinct_errors = sorted({r.error or "failed" for r in failed})
+        return cls(
+            max_concurrency=max_concurrency,
+            request_rate=request_rate,
+            burstiness=burstiness,
+            client=client,
+            requests=len(records),
+            completed=len(done),
+            failed=len(failed),
+            duration_s=round(duration_s, 4),
+            total_input_tokens=in_tokens,
+            total_output_tokens=out_tokens,
+            request_throughput=round(len(done) / dur, 4),
+            output_throughput=round(out_tokens / dur, 3),
+            total_token_throughput=round((in_tokens + out_tokens) / dur, 3),
+            request_goodput=None if good is None else round(good / dur, 4),
+            ttft_ms=Stats.of([r.ttft_s for r in done if r.ttft_s is not None]),
+            tpot_ms=Stats.of([t for r in done if (t := r.tpot_s) is not None]),
+            itl_ms=Stats.of([g for r in done for g in r.itl_s]),
+            e2el_ms=Stats.of([r.e2el_s for r in done if r.e2el_s is not None]),
+            token_count_mismatches=sum(1 for r in done if r.streamed_tokens != r.output_tokens),
+            short_outputs=sum(
+                1 for r in done if output_len is not None and r.output_tokens < output_len
+            ),
+            errors=distinct_errors[:10],
+        )

@@ -47,7 +47,16 @@ def inventory(tmp_path: Path, reference_server: Served, twin_server: Served, key
                     "down": {"kind": "sglang", "host": "local", "url": "http://127.0.0.1:9"},
                 },
                 "gates": {
-                    "exactness": {"mode": mode, "max_new_tokens": 12, "top_k": 5, **exactness}
+                    "exactness": {"mode": mode, "max_new_tokens": 12, "top_k": 5, **exactness},
+                    "throughput": {
+                        "workload": {
+                            "input_len": 16,
+                            "output_len": 6,
+                            "concurrency": [2],
+                            "num_prompts": 4,
+                        },
+                        "min_ratio": 0.2,
+                    },
                 },
                 "state_dir": "state",
             },

@@ -1,0 +1,165 @@
+"""The throughput gate and its load generator, against live reference servers."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from kdctl.backends import GenerateRequest, HttpBackend, make_backend
+from kdctl.inventory import BackendSpec
+from kdctl.load import LoadPlan, arrival_offsets, percentile, run_load
+from tests.conftest import Served, kdctl, write_inventory
+
+pytest.importorskip("torch")
+OUTPUT_LEN = 6
+PROMPTS = 8
+
+
+@pytest.fixture
+def inventory(tmp_path: Path, reference_server: Served, twin_server: Served):  # type: ignore[no-untyped-def]
+    def make(**throughput: Any) -> Path:
+        return write_inventory(
+            tmp_path / "inventory.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": {
+                    "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
+                    "candidate": {
+                        "kind": "native",
+                        "mode": "http",
+                        "host": "local",
+                        "url": twin_server.url,
+                    },
+                    "down": {"kind": "sglang", "host": "local", "url": "http://127.0.0.1:9"},
+                },
+                "gates": {
+                    "throughput": {
+                        "workload": {
+                            "input_len": 24,
+                            "output_len": OUTPUT_LEN,
+                            "concurrency": [1, 4],
+                            "num_prompts": PROMPTS,
+                        },
+                        **throughput,
+                    }
+                },
+                "state_dir": "state",
+            },
+        )
+
+    return make
+
+
+def gate(inv: Path, backend: str, *extra: str) -> tuple[int, dict[str, Any]]:
+    run = kdctl("gate", "run", "throughput", "-b", backend, *extra, "-i", str(inv), "--json")
+    assert run.out, run.err
+    (result,) = json.loads(run.out)["results"]
+    return run.code, result
+
+
+def test_candidate_against_the_recorded_baseline_run(inventory: Any, report: Any) -> None:
+    inv = inventory(min_ratio=0.25, slo_ttft_ms=60_000)
+    rec = kdctl("baseline", "record", "-b", "baseline", "--only", "throughput", "-i", str(inv))
+    assert rec.code == 0, rec.err
+    assert "recorded throughput baseline" in rec.out and "concurrency 4:" in rec.out
+
+    code, result = gate(inv, "candidate", "--baseline", "baseline")
+    assert code == 0 and result["verdict"] == "pass", result["reasons"]
+    assert "run recorded" in result["reasons"][0]
+    metrics = {m["name"]: m for m in result["metrics"]}
+    for c in ("c1", "c4"):
+        assert metrics[f"{c}.ratio"]["threshold"] == 0.25 and metrics[f"{c}.ratio"]["value"] > 0
+        assert metrics[f"{c}.p99_ttft_ms"]["threshold"] == 60_000
+    for point in result["details"]["points"]:
+        # Every request asked for OUTPUT_LEN tokens with ignore_eos, and the server's usage and
+        # the streamed chunks agree on how many came.
+        assert point["completed"] == PROMPTS and point["failed"] == 0
+        assert point["total_output_tokens"] == PROMPTS * OUTPUT_LEN
+        assert point["token_count_mismatches"] == 0 and point["short_outputs"] == 0
+        assert point["client"] == "aiohttp"
+        assert 0 < point["ttft_ms"]["p50"] <= point["e2el_ms"]["p50"]
+        assert point["itl_ms"]["p50"] > 0 and point["tpot_ms"]["mean"] > 0
+        assert point["request_goodput"] == pytest.approx(point["request_throughput"])
+    c1, c4 = result["details"]["points"]
+    report(
+        f"throughput on the reference server (CPU): {c1['output_throughput']:.0f} tok/s at "
+        f"concurrency 1, {c4['output_throughput']:.0f} at 4; ratios "
+        f"{metrics['c1.ratio']['value']:.2f}, {metrics['c4.ratio']['value']:.2f}"
+    )
+
+
+def test_a_broken_slo_fails_and_says_which(inventory: Any) -> None:
+    inv = inventory(slo_ttft_ms=0.001, slo_percentile="p50")
+    code, result = gate(inv, "candidate")
+    assert code == 1 and result["verdict"] == "fail"
+    assert any("p50 TTFT" in r and "breaks the SLO of 0.001 ms" in r for r in result["reasons"])
+
+
+def test_nothing_to_compare_with_is_inconclusive_not_pass(inventory: Any) -> None:
+    code, result = gate(inventory(), "candidate")
+    assert code == 1 and result["verdict"] == "inconclusive"
+    assert any("nothing to judge" in r for r in result["reasons"])
+
+
+def test_a_live_baseline_when_none_is_recorded_and_a_down_candidate(inventory: Any) -> None:
+    inv = inventory(min_ratio=0.25)
+    code, result = gate(inv, "candidate", "--baseline", "baseline")
+    assert code == 0 and "baseline measured live now" in result["reasons"][0]
+    code, result = gate(inv, "down", "--baseline", "baseline")
+    assert code == 3 and result["verdict"] == "error"
+    assert "connection refused" in result["reasons"][0]
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_refused_requests_are_counted_as_failures(keyed_server: Served, client: str) -> None:
+    spec = BackendSpec(kind="sglang", host="local", url=keyed_server.url)
+    backend = make_backend("keyed", spec, api_key=SecretStr("sk-wrong"))
+    assert isinstance(backend, HttpBackend)
+    reqs = [GenerateRequest(input_ids=[5, 6, 7], max_new_tokens=2) for _ in range(3)]
+    with backend:
+        m = run_load(backend, reqs, LoadPlan(max_concurrency=2, client=client))
+    assert (m.completed, m.failed) == (0, 3)
+    assert m.errors and m.errors[0].startswith("HTTP 401")
+    assert m.output_throughput == 0 and m.ttft_ms.p50 is None
+
+
+def test_openai_route_and_poisson_arrivals(reference_server: Served) -> None:
+    spec = BackendSpec(kind="openai", host="local", url=reference_server.url)
+    backend = make_backend("oai", spec)
+    assert isinstance(backend, HttpBackend)
+    n, rate = 6, 8.0
+    reqs = [GenerateRequest(input_ids=[9, 10, 11], max_new_tokens=4, ignore_eos=True)] * n
+    with backend:
+        m = run_load(backend, reqs, LoadPlan(max_concurrency=n, request_rate=rate, output_len=4))
+    assert m.completed == n and m.total_output_tokens == n * 4
+    assert m.token_count_mismatches == 0
+    # The last request is sent n/rate seconds after the start, so the run cannot be shorter.
+    assert m.duration_s >= n / rate
+
+
+def test_arrival_schedule_lasts_n_over_rate_and_burstiness_spreads_it() -> None:
+    assert arrival_offsets(4, None, 1.0, 0) == [0.0] * 4
+    for burstiness in (0.3, 1.0, 4.0):
+        offsets = arrival_offsets(200, 10.0, burstiness, seed=1)
+        assert offsets == sorted(offsets) and offsets[-1] == pytest.approx(20.0)
+
+    def cv(burstiness: float) -> float:
+        offs = arrival_offsets(2000, 10.0, burstiness, seed=2)
+        gaps = [b - a for a, b in zip([0.0, *offs], offs, strict=False)]
+        return statistics.stdev(gaps) / statistics.mean(gaps)
+
+    # A gamma gap's coefficient of variation is 1/sqrt(shape): 1 for Poisson.
+    assert cv(0.25) == pytest.approx(2.0, rel=0.15)
+    assert cv(1.0) == pytest.approx(1.0, rel=0.1)
+    assert cv(4.0) == pytest.approx(0.5, rel=0.1)
+
+
+def test_percentiles_interpolate_as_numpy_does() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+    assert percentile([7.0], 99) == 7.0

@@ -13,6 +13,7 @@ from kdctl.backends import Backend, EngineInfo
 from kdctl.checks.result import Baseline, BaselineKind, GateResult, Provenance, content_hash
 from kdctl.errors import InputError
 from kdctl.inventory import LoadedInventory
+from kdctl.transports import Transport
 
 # How the caller hands a gate the recorded baseline for a workload: gates read evidence through
 # this and never reach into the store, which sits above them.
@@ -28,6 +29,10 @@ class GateContext:
     backend: Callable[[str], Backend]
     baseline_lookup: BaselineLookup
     progress: ProgressHook | None = None
+    # The host's transport, for gates that look at the box itself (tp-health, command).
+    transport: Callable[[str], Transport] | None = None
+    # The latest earlier result of (gate, backend): what "since the last check" is measured from.
+    last_result: Callable[[str, str], GateResult | None] | None = None
 
     def report(self, what: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -71,8 +76,9 @@ def _builtin() -> dict[str, type[Gate]]:
     from kdctl.checks.exactness import ExactnessGate
     from kdctl.checks.health import HealthGate
     from kdctl.checks.throughput import ThroughputGate
+    from kdctl.checks.tp_health import TpHealthGate
 
-    return {g.name: g for g in (HealthGate, ExactnessGate, ThroughputGate)}
+    return {g.name: g for g in (HealthGate, ExactnessGate, ThroughputGate, TpHealthGate)}
 
 
 def gates() -> dict[str, type[Gate]]:

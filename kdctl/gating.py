@@ -32,7 +32,14 @@ def gate_context(
             found = store.baselines(backend=name, kind=kind, workload_hash=workload)
             return found[0] if found else None
 
-        yield GateContext(inventory=inv, backend=backend, baseline_lookup=lookup, progress=progress)
+        yield GateContext(
+            inventory=inv,
+            backend=backend,
+            baseline_lookup=lookup,
+            progress=progress,
+            transport=pool.get,
+            last_result=store.latest,
+        )
 
 
 def _check_names(inv: LoadedInventory, *names: str | None) -> None:

@@ -70,6 +70,13 @@ def _absolute(value: str) -> str:
     return value
 
 
+def _absolute_or_name(value: str) -> str:
+    """A program: an absolute path, or a bare name looked up on the host's PATH."""
+    if not re.fullmatch(r"/?[A-Za-z0-9._+/-]+", value) or ".." in value.split("/"):
+        raise ValueError(f"{value!r} is not a program name or an absolute path")
+    return value
+
+
 def _url(value: str) -> str:
     try:
         url = httpx.URL(value)
@@ -262,9 +269,19 @@ class ExactnessSettings(_Model):
 
 
 class TpHealthSettings(_Model):
+    # Bus bandwidth at the large size and latency at the small one, across the TP ranks.
     min_busbw_gbps: Annotated[float, Field(ge=0)] = 35.0
     max_small_latency_us: Annotated[float, Field(gt=0)] = 30.0
+    # The watchdog: a broken P2P path hangs the all-reduce without logging an Xid.
     timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    large_size_mib: Annotated[float, Field(gt=0)] = 256.0
+    small_size_kib: Annotated[float, Field(gt=0)] = 16.0
+    iters: Annotated[int, Field(ge=1)] = 20
+    warmup: Annotated[int, Field(ge=0)] = 5
+    # The host's Python with torch, which runs the probe under torchrun.
+    python: Annotated[str, AfterValidator(_absolute_or_name)] = "python3"
+    # HGX boxes: every pair of TP GPUs on NVLink (NV# in `nvidia-smi topo -m`).
+    require_nvlink: bool = False
 
 
 class GateSettings(_Model):

@@ -1,0 +1,288 @@
+"""tp-health: is the box fit to run the backend across its TP ranks?
+
+On the backend's host, through its transport: GPU rules from nvidia-smi, Xids since the last
+check, the topology, an all-reduce probe launched with torchrun across the TP ranks (NCCL on
+GPUs, gloo across CPU processes where there are none, the same code either way) under a
+wall-clock watchdog, and whether the engine holds memory on every one of its GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+import uuid
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from kdctl.checks._gate import Gate, GateContext, provenance_of
+from kdctl.checks.result import GateResult, Metric, Verdict, utcnow
+from kdctl.errors import CommandTimeout, KdctlError, TransportError
+from kdctl.inventory.models import TpHealthSettings
+from kdctl.probes.gpus import GpuInfo, GpuProbe, GpuProcess, probe_gpus
+from kdctl.probes.kernel import XidProbe, probe_xids
+from kdctl.probes.topology import Topology, probe_topology
+from kdctl.transports import Transport
+
+# nvml's clocks_event_reasons bits (nvml.h); 0x1 (idle) is the only one that is not a slowdown.
+CLOCK_EVENTS = {
+    0x2: "applications clocks setting",
+    0x4: "software power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "software thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "hardware power brake",
+}
+PROBE_MARK = "KDCTL_ALLREDUCE "
+
+
+def gpu_findings(gpus: list[GpuInfo], expected: list[int]) -> list[str]:
+    """What is wrong with the GPUs a backend runs on; empty when nothing is."""
+    found: list[str] = []
+    by_index = {g.index: g for g in gpus}
+    missing = [i for i in expected if i not in by_index]
+    if missing:
+        found.append(f"GPU {', '.join(map(str, missing))} expected but not visible")
+    for i in expected:
+        g = by_index.get(i)
+        if g is None:
+            continue
+        if g.ecc_uncorrected_volatile:
+            found.append(f"GPU {i}: {g.ecc_uncorrected_volatile} uncorrected ECC errors")
+        if g.remapped_rows_pending:
+            found.append(f"GPU {i}: a row remap is pending (the GPU needs a reset)")
+        if g.remapped_rows_failure:
+            found.append(f"GPU {i}: row remapping failed")
+        if g.retired_pages_pending:
+            found.append(f"GPU {i}: a page retirement is pending")
+        reasons = [name for bit, name in CLOCK_EVENTS.items() if (g.clock_event_reasons or 0) & bit]
+        if reasons:
+            found.append(f"GPU {i}: clocks held back by {', '.join(reasons)}")
+        idle = bool((g.clock_event_reasons or 0) & 0x1)
+        for what, cur, top in (
+            ("PCIe generation", g.pcie_gen_current, g.pcie_gen_max),
+            ("PCIe width", g.pcie_width_current, g.pcie_width_max),
+        ):
+            # An idle GPU may train its link down to save power: only a busy one is judged.
+            if cur is not None and top is not None and cur < top and not idle:
+                found.append(f"GPU {i}: {what} {cur} below its max {top}")
+        if g.persistence_mode is False:
+            found.append(f"GPU {i}: persistence mode is off")
+    return found
+
+
+def topology_findings(topo: Topology, gpus: list[int], require_nvlink: bool) -> list[str]:
+    if not require_nvlink or len(gpus) < 2:
+        return []
+    if topo.error:
+        return [f"topology unreadable: {topo.error}"]
+    found = []
+    for a in gpus:
+        for b in gpus:
+            link = topo.link(a, b) if a < b else "NV"
+            if link is None or not link.startswith("NV"):
+                found.append(f"GPU {a} and GPU {b} are linked by {link or 'nothing'}, not NVLink")
+    return found
+
+
+def memory_findings(processes: list[GpuProcess], gpus: list[int]) -> list[str]:
+    """The engine runs on all its ranks only if something holds memory on every TP GPU."""
+    held = {p.gpu_index for p in processes if (p.used_memory_mib or 0) > 0}
+    return [
+        f"GPU {i}: no process holds memory (is the engine running on this rank?)"
+        for i in gpus
+        if i not in held
+    ]
+
+
+def new_xids(xids: XidProbe, previous: GateResult | None) -> tuple[list[str], list[str]]:
+    """(new Xid lines since the last tp-health check, problems reading the log)."""
+    if not xids.readable:
+        return [], [f"Xids: {xids.error}"]
+    seen = set(previous.details.get("xid_lines", [])) if previous else set()
+    return [e.line for e in xids.events if e.line not in seen], []
+
+
+def probe_command(
+    settings: TpHealthSettings, script: str, world: int, backend: str, gpus: list[int]
+) -> list[str]:
+    large = int(settings.large_size_mib * (1 << 20))
+    small = int(settings.small_size_kib * (1 << 10))
+    argv = ["env"]
+    if gpus:
+        argv.append("CUDA_VISIBLE_DEVICES=" + ",".join(map(str, gpus)))
+    argv += [
+        settings.python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        script,
+        f"--backend={backend}",
+        f"--iters={settings.iters}",
+        f"--warmup={settings.warmup}",
+        f"--init-timeout-s={settings.timeout_s:g}",
+        "--sizes",
+        str(small),
+        str(large),
+    ]
+    return argv
+
+
+def run_allreduce(
+    transport: Transport, settings: TpHealthSettings, world: int, backend: str, gpus: list[int]
+) -> dict[str, Any]:
+    """Copy the probe to the host, run it under the watchdog, and read rank 0's report."""
+    local = Path(str(files("kdctl.checks").joinpath("_allreduce_probe.py")))
+    remote = f"/tmp/kdctl-allreduce-{uuid.uuid4().hex[:12]}.py"
+    transport.put(local, remote, mode=0o600)
+    try:
+        argv = probe_command(settings, remote, world, backend, gpus)
+        result = transport.run(argv, timeout=settings.timeout_s)
+    finally:
+        with contextlib.suppress(TransportError):
+            transport.run(["rm", "-f", remote], timeout=15)
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith(PROBE_MARK)), None)
+    if not result.ok or line is None:
+        tail = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-3:]
+        raise _ProbeFailed(
+            f"all-reduce probe failed (exit {result.exit_code}): {' | '.join(tail)[:400]}",
+            " ".join(shlex.quote(a) for a in argv),
+        )
+    report: dict[str, Any] = json.loads(line[len(PROBE_MARK) :])
+    report["command"] = " ".join(shlex.quote(a) for a in argv)
+    return report
+
+
+class _ProbeFailed(Exception):
+    def __init__(self, message: str, command: str) -> None:
+        super().__init__(message)
+        self.command = command
+
+
+class TpHealthGate(Gate):
+    name = "tp-health"
+    description = "GPU rules, Xids, topology, an all-reduce across the TP ranks, engine memory"
+
+    def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
+        started = utcnow()
+        settings = ctx.inventory.spec.gates.tp_health
+        spec = ctx.inventory.backends[backend]
+        host = ctx.inventory.spec.hosts[spec.host]
+        world = spec.tp_size
+        tp_gpus = list(spec.gpus) or (list(range(world)) if host.gpus else [])
+        reasons: list[str] = []
+        failures: list[str] = []
+        metrics: list[Metric] = []
+        details: dict[str, Any] = {"tp_size": world, "gpus": tp_gpus}
+        assert ctx.transport is not None
+        try:
+            transport = ctx.transport(spec.host)
+            probe: GpuProbe = probe_gpus(transport)
+            details["gpu_probe"] = probe.model_dump(mode="json")
+            if probe.visible:
+                failures += gpu_findings(probe.gpus, tp_gpus)
+                failures += topology_findings(
+                    probe_topology(transport), tp_gpus, settings.require_nvlink
+                )
+                failures += memory_findings(probe.processes, tp_gpus)
+                xids = probe_xids(transport)
+                fresh, unreadable = new_xids(
+                    xids, ctx.last_result(self.name, backend) if ctx.last_result else None
+                )
+                details["xid_lines"] = [e.line for e in xids.events]
+                failures += [f"new Xid: {line}" for line in fresh]
+                reasons += unreadable
+                metrics.append(
+                    Metric(name="new_xids", value=len(fresh), threshold=0, comparison="==")
+                )
+                metrics.append(Metric(name="gpus_visible", value=len(probe.gpus)))
+                comm = "nccl"
+            elif tp_gpus:
+                failures.append(
+                    f"{spec.host} should have GPUs {tp_gpus} but shows none: "
+                    f"{probe.error or probe.note}"
+                )
+                comm = ""
+            else:
+                reasons.append(f"{spec.host} has no GPUs: GPU rules do not apply; gloo on CPU")
+                comm = "gloo"
+            # No all-reduce on NCCL where the GPUs it would use are not there.
+            if comm:
+                report = run_allreduce(
+                    transport, settings, world, comm, tp_gpus if comm == "nccl" else []
+                )
+                details["allreduce"] = report
+                small, large = report["points"][0], report["points"][-1]
+                wrong = sum(p["wrong"] for p in report["points"])
+                metrics += [
+                    Metric(
+                        name="allreduce_wrong_elements", value=wrong, threshold=0, comparison="=="
+                    ),
+                    Metric(
+                        name="busbw_gbps",
+                        value=large["busbw_gbps"],
+                        unit="GB/s",
+                        threshold=settings.min_busbw_gbps if world > 1 else None,
+                        comparison=">=" if world > 1 else None,
+                    ),
+                    Metric(
+                        name="small_latency_us",
+                        value=small["time_us"],
+                        unit="us",
+                        threshold=settings.max_small_latency_us,
+                        comparison="<=",
+                    ),
+                ]
+                reasons.append(
+                    f"all-reduce on {report['backend']} across {report['world']} ranks: "
+                    f"busbw {large['busbw_gbps']:.2f} GB/s at {large['bytes'] >> 20} MiB, "
+                    f"{small['time_us']:.1f} us at {small['bytes'] >> 10} KiB, {wrong} wrong"
+                    + (f"; NCCL {report['nccl']}" if report.get("nccl") else "")
+                    + (
+                        f"; {', '.join(f'{k}={v}' for k, v in report['env'].items())}"
+                        if report["env"]
+                        else ""
+                    )
+                )
+                if world == 1:
+                    reasons.append("one rank: bus bandwidth is 0 by definition and not judged")
+        except CommandTimeout:
+            failures.append(
+                f"the all-reduce did not finish within {settings.timeout_s:g}s: a rank hangs "
+                "(broken P2P hangs without an Xid)"
+            )
+        except _ProbeFailed as exc:
+            failures.append(str(exc))
+            details["command"] = exc.command
+        except KdctlError as exc:
+            return self._result(ctx, backend, "error", metrics, [str(exc)], details, started)
+        verdict: Verdict = "fail" if failures or any(m.passed is False for m in metrics) else "pass"
+        for m in metrics:
+            if m.passed is False and not any(m.name in f for f in failures):
+                failures.append(f"{m.name} {m.value} not {m.comparison} {m.threshold}")
+        return self._result(ctx, backend, verdict, metrics, failures + reasons, details, started)
+
+    def _result(
+        self,
+        ctx: GateContext,
+        backend: str,
+        verdict: Verdict,
+        metrics: list[Metric],
+        reasons: list[str],
+        details: dict[str, Any],
+        started: Any,
+    ) -> GateResult:
+        return GateResult(
+            gate=self.name,
+            backend=backend,
+            verdict=verdict,
+            metrics=metrics,
+            reasons=reasons,
+            provenance=provenance_of(ctx, backend, None, None),
+            details=details,
+            started_at=started,
+            ended_at=utcnow(),
+        )

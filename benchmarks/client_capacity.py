@@ -52,8 +52,7 @@ def _events(tokens: int) -> list[bytes]:
 def _serve(sock: socket.socket, tokens: int, itl_s: float) -> None:
     events = _events(tokens)
     head = (
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        b"transfer-encoding: chunked\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     )
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

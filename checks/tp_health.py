@@ -110,7 +110,9 @@ def probe_command(
 ) -> list[str]:
     large = int(settings.large_size_mib * (1 << 20))
     small = int(settings.small_size_kib * (1 << 10))
-    argv = ["env"]
+    # coreutils' timeout is the watchdog on the host itself: it signals torchrun, which takes
+    # its workers down with it, and then kills it outright; exit 124 says it fired.
+    argv = ["timeout", "-k", "10", f"{settings.timeout_s:g}", "env"]
     if gpus:
         argv.append("CUDA_VISIBLE_DEVICES=" + ",".join(map(str, gpus)))
     argv += [
@@ -140,10 +142,12 @@ def run_allreduce(
     transport.put(local, remote, mode=0o600)
     try:
         argv = probe_command(settings, remote, world, backend, gpus)
-        result = transport.run(argv, timeout=settings.timeout_s)
+        result = transport.run(argv, timeout=settings.timeout_s + 30)
     finally:
         with contextlib.suppress(TransportError):
             transport.run(["rm", "-f", remote], timeout=15)
+    if result.exit_code in (124, 137):
+        raise CommandTimeout(transport.name, tuple(argv), settings.timeout_s)
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith(PROBE_MARK)), None)
     if not result.ok or line is None:
         tail = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-3:]

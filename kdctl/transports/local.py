@@ -45,7 +45,12 @@ class LocalTransport(Transport):
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            # A grandchild in a session of its own (torchrun's workers) may keep the pipes
+            # open: stop waiting for them rather than hang past the deadline.
+            try:
+                proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.wait()
             raise CommandTimeout(self.name, args, timeout) from None
         return self._result(
             args,

@@ -1,0 +1,190 @@
+"""tp-health: the all-reduce probe on gloo across CPU processes (the same code that runs on
+NCCL), its watchdog, and the GPU rules on the H200's recorded nvidia-smi output and edited
+copies of it, replayed on the host the gate runs on."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kdctl.checks.tp_health import gpu_findings, memory_findings, topology_findings
+from kdctl.probes.gpus import parse_compute_apps, parse_query_gpu
+from kdctl.probes.topology import parse_topo
+from tests.conftest import FIXTURES, kdctl, write_inventory
+
+pytest.importorskip("torch")
+H200 = FIXTURES / "nvidia-smi" / "h200-1gpu"
+REPLAY = FIXTURES / "bin"
+XID_79 = (
+    "[ 8812.101934] NVRM: Xid (PCI:0000:00:06): 79, pid=2231, name=python, "
+    "GPU has fallen off the bus."
+)
+
+
+def inventory(tmp_path: Path, *, tp: int, gpus: int = 0, **settings: Any) -> Path:
+    return write_inventory(
+        tmp_path / "inventory.yaml",
+        {
+            "hosts": {"box": {"transport": "local", "gpus": gpus}},
+            "backends": {
+                "engine": {
+                    "kind": "sglang",
+                    "host": "box",
+                    "url": "http://127.0.0.1:9",
+                    "tp_size": tp,
+                    **({"gpus": list(range(gpus))} if gpus else {}),
+                }
+            },
+            "gates": {
+                "tp_health": {
+                    "python": sys.executable,
+                    "large_size_mib": 2,
+                    "small_size_kib": 16,
+                    "iters": 5,
+                    "warmup": 2,
+                    "min_busbw_gbps": 0.001,
+                    "max_small_latency_us": 1_000_000,
+                    "timeout_s": 90,
+                    **settings,
+                }
+            },
+            "state_dir": "state",
+        },
+    )
+
+
+def tp_health(inv: Path, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    run = kdctl("gate", "run", "tp-health", "-b", "engine", "-i", str(inv), "--json", env=env)
+    assert run.out, run.err
+    (result,) = json.loads(run.out)["results"]
+    return run.code, result
+
+
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_allreduce_on_gloo_across_cpu_ranks(tmp_path: Path, ranks: int, report: Any) -> None:
+    code, result = tp_health(inventory(tmp_path, tp=ranks))
+    assert code == 0 and result["verdict"] == "pass", result["reasons"]
+    probe = result["details"]["allreduce"]
+    assert (probe["backend"], probe["world"]) == ("gloo", ranks)
+    small, large = probe["points"]
+    assert (small["bytes"], large["bytes"]) == (16 << 10, 2 << 20)
+    assert small["wrong"] == large["wrong"] == 0
+    # busbw rescales algbw by 2(n-1)/n, nccl-tests' all_reduce factor.
+    assert large["busbw_gbps"] == pytest.approx(
+        large["algbw_gbps"] * 2 * (ranks - 1) / ranks, abs=2e-3
+    )
+    assert any("has no GPUs" in r for r in result["reasons"])
+    report(
+        f"tp-health on gloo, {ranks} CPU ranks: busbw {large['busbw_gbps']} GB/s at 2 MiB, "
+        f"{small['time_us']} us at 16 KiB"
+    )
+
+
+def test_a_rank_that_never_joins_trips_the_watchdog(tmp_path: Path) -> None:
+    inv = inventory(tmp_path, tp=4, timeout_s=12)
+    code, result = tp_health(inv, env={"KDCTL_PROBE_STALL_RANK": "2"})
+    assert code == 1 and result["verdict"] == "fail"
+    assert any("did not finish within 12s" in r for r in result["reasons"])
+    # The watchdog takes the whole torchrun process group down with it.
+    left = subprocess.run(["pgrep", "-f", "kdctl-allreduce-"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def test_thresholds_decide(tmp_path: Path) -> None:
+    code, result = tp_health(inventory(tmp_path, tp=2, min_busbw_gbps=10_000))
+    assert code == 1 and any("busbw_gbps" in r and ">= 10000" in r for r in result["reasons"])
+
+
+def _copy_capture(tmp_path: Path, *, edit: dict[str, str] | None = None, apps: str = "") -> Path:
+    d = tmp_path / "capture"
+    shutil.copytree(H200, d)
+    header, row = (H200 / "query-gpu.csv").read_text().splitlines()
+    cells = [c.strip() for c in row.split(",")]
+    names = [n.strip() for n in header.split(",")]
+    for field, value in (edit or {}).items():
+        cells[next(i for i, n in enumerate(names) if n.startswith(field))] = value
+    (d / "query-gpu.csv").write_text(header + "\n" + ", ".join(cells) + "\n")
+    (d / "query-apps.csv").write_text((H200 / "query-apps.csv").read_text() + apps)
+    return d
+
+
+def _replay_env(capture: Path) -> dict[str, str]:
+    return {"PATH": f"{REPLAY}:{os.environ['PATH']}", "KDCTL_NVSMI_FIXTURES": str(capture)}
+
+
+ENGINE_ON_GPU0 = "4242, python, 130000 MiB, GPU-153acc0c-7fe0-cdf5-d6c9-0c6edf250206\n"
+
+
+def test_gpu_rules_on_the_h200_capture_and_edited_copies(tmp_path: Path) -> None:
+    healthy = parse_query_gpu((H200 / "query-gpu.csv").read_text())
+    assert gpu_findings(healthy, [0]) == []
+    assert gpu_findings(healthy, [0, 1]) == ["GPU 1 expected but not visible"]
+    cases = {
+        "ecc.errors.uncorrected.volatile.total": ("3", "3 uncorrected ECC errors"),
+        "clocks_event_reasons.active": ("0x0000000000000040", "hardware thermal slowdown"),
+        "remapped_rows.pending": ("Yes", "row remap is pending"),
+        "remapped_rows.failure": ("Yes", "row remapping failed"),
+        "persistence_mode": ("Disabled", "persistence mode is off"),
+    }
+    for field, (value, finding) in cases.items():
+        capture = _copy_capture(tmp_path / field, edit={field: value})
+        (gpu,) = parse_query_gpu((capture / "query-gpu.csv").read_text())
+        assert any(finding in f for f in gpu_findings([gpu], [0])), field
+    # A busy GPU (no idle bit) whose link trained below its max is a finding; an idle one is not.
+    capture = _copy_capture(
+        tmp_path / "pcie",
+        edit={"pcie.link.gen.current": "3", "clocks_event_reasons.active": "0x0000000000000000"},
+    )
+    (gpu,) = parse_query_gpu((capture / "query-gpu.csv").read_text())
+    assert gpu_findings([gpu], [0]) == ["GPU 0: PCIe generation 3 below its max 5"]
+    assert gpu_findings([gpu.model_copy(update={"clock_event_reasons": 1})], [0]) == []
+
+
+def test_memory_and_topology_rules() -> None:
+    gpus = parse_query_gpu((H200 / "query-gpu.csv").read_text())
+    busy = parse_compute_apps(
+        "pid, process_name, used_gpu_memory [MiB], gpu_uuid\n" + ENGINE_ON_GPU0, gpus
+    )
+    assert memory_findings(busy, [0]) == []
+    assert memory_findings([], [0]) == [
+        "GPU 0: no process holds memory (is the engine running on this rank?)"
+    ]
+    one = parse_topo((H200 / "topo.txt").read_text())
+    assert one.gpus == [0] and topology_findings(one, [0], require_nvlink=True) == []
+    mixed = parse_topo(
+        "\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tNV18\tNV18\t0-15\n"
+        "GPU1\tNV18\t X \tSYS\t0-15\nGPU2\tNV18\tSYS\t X \t0-15\n"
+    )
+    assert topology_findings(mixed, [0, 1, 2], require_nvlink=True) == [
+        "GPU 1 and GPU 2 are linked by SYS, not NVLink"
+    ]
+
+
+def test_gate_on_a_replayed_h200_host(tmp_path: Path) -> None:
+    """The whole gate on the recorded H200: GPU rules pass, but no engine holds memory and
+    this machine's torch has no CUDA, so the NCCL probe fails, and both are named; then an Xid
+    79 appears in the kernel log and is reported as new, once."""
+    capture = _copy_capture(tmp_path)
+    inv = inventory(tmp_path, tp=1, gpus=1)
+    code, result = tp_health(inv, env=_replay_env(capture))
+    assert code == 1 and result["verdict"] == "fail"
+    reasons = " | ".join(result["reasons"])
+    assert "GPU 0: no process holds memory" in reasons
+    assert "all-reduce probe failed" in reasons and "expected but not visible" not in reasons
+    assert result["metrics"][0] == {**result["metrics"][0], "name": "new_xids", "value": 0}
+
+    with (capture / "dmesg-xid.txt").open("a") as log:
+        log.write(XID_79 + "\n")
+    (capture / "query-apps.csv").write_text((H200 / "query-apps.csv").read_text() + ENGINE_ON_GPU0)
+    code, result = tp_health(inv, env=_replay_env(capture))
+    reasons = " | ".join(result["reasons"])
+    assert f"new Xid: {XID_79}" in reasons and "no process holds memory" not in reasons
+    code, result = tp_health(inv, env=_replay_env(capture))
+    assert "new Xid" not in " | ".join(result["reasons"])

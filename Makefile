@@ -20,3 +20,4 @@ lint: bootstrap
 
 bench: bootstrap
 	$(VENV)/bin/python benchmarks/status_fanout.py
+	$(VENV)/bin/python benchmarks/client_capacity.py

@@ -20,6 +20,7 @@ import multiprocessing
 import socket
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from kdctl.backends import GenerateRequest, make_backend  # noqa: E402
 from kdctl.inventory import BackendSpec  # noqa: E402
-from kdctl.load import LoadPlan, run_load  # noqa: E402
+from kdctl.load import BenchMetrics, LoadPlan, run_load  # noqa: E402
 
 
 def _events(tokens: int) -> list[bytes]:
@@ -131,7 +132,10 @@ def main() -> None:
                     runs[client].append(run_load(backend, reqs, plan))
             tput = {}
             for client, results in runs.items():
-                med = lambda f: statistics.median(f(r) for r in results)  # noqa: E731
+
+                def med(f: Callable[[BenchMetrics], float], rs: list = results) -> float:
+                    return statistics.median(f(r) for r in rs)
+
                 dur = med(lambda r: r.duration_s)
                 tput[client] = med(lambda r: r.output_throughput)
                 print(

@@ -28,7 +28,7 @@ def _sync(device: torch.device) -> None:
 
 def _point(
     nbytes: int, device: torch.device, world: int, rank: int, iters: int, warmup: int
-) -> dict:
+) -> dict[str, float | int]:
     n = max(1, nbytes // 4)
     pattern = torch.arange(n, device=device, dtype=torch.int64) % 7
     data = (pattern + rank).to(torch.float32)

@@ -43,6 +43,8 @@ class Gate(abc.ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     needs_baseline: ClassVar[bool] = False
+    # False for gates a person decides (sign-off): `gate run all` passes over them.
+    runnable: ClassVar[bool] = True
 
     @abc.abstractmethod
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...
@@ -73,12 +75,22 @@ def provenance_of(
 
 
 def _builtin() -> dict[str, type[Gate]]:
+    from kdctl.checks.command import CommandGate
     from kdctl.checks.exactness import ExactnessGate
     from kdctl.checks.health import HealthGate
+    from kdctl.checks.signoff import SignOffGate
     from kdctl.checks.throughput import ThroughputGate
     from kdctl.checks.tp_health import TpHealthGate
 
-    return {g.name: g for g in (HealthGate, ExactnessGate, ThroughputGate, TpHealthGate)}
+    builtin: tuple[type[Gate], ...] = (
+        HealthGate,
+        ExactnessGate,
+        ThroughputGate,
+        TpHealthGate,
+        CommandGate,
+        SignOffGate,
+    )
+    return {g.name: g for g in builtin}
 
 
 def gates() -> dict[str, type[Gate]]:

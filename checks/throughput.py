@@ -17,7 +17,7 @@ from kdctl.checks.exactness import load_corpus, prompt_file
 from kdctl.checks.result import Baseline, GateResult, Metric, Verdict, content_hash, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory.models import ThroughputSettings
-from kdctl.load import SLO, BenchMetrics, LoadPlan, run_load
+from kdctl.load import SLO, BenchMetrics, LoadPlan, Progress, run_load
 
 _SLOS = (
     ("ttft", "slo_ttft_ms"),
@@ -91,10 +91,15 @@ def measure(
         )
         what = f"throughput {be.name} at concurrency {conc}"
         ctx.report(what, 0, len(requests))
-        points.append(
-            run_load(be, requests, plan, on_progress=lambda d, t, what=what: ctx.report(what, d, t))
-        )
+        points.append(run_load(be, requests, plan, on_progress=_reporter(ctx, what)))
     return points
+
+
+def _reporter(ctx: GateContext, what: str) -> Progress:
+    def report(done: int, total: int) -> None:
+        ctx.report(what, done, total)
+
+    return report
 
 
 def record_throughput(ctx: GateContext, backend: str) -> Baseline:

@@ -212,12 +212,35 @@ def baseline_record(
     kinds = BASELINE_KINDS if only is None else (only,)
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store, progress_bars(err, not json_) as progress:
-        recorded = record_baseline(inv, store, backend, kinds, progress=progress)  # type: ignore[arg-type]
+        recorded = record_baseline(inv, store, backend, kinds, progress=progress)
     if json_:
         _print_json({"baselines": [b.model_dump(mode="json") for b in recorded]})
         return
     for b in recorded:
         out.print(baseline_line(b), markup=False)
+
+
+@app.command("signoff")
+def signoff(
+    backend: Annotated[str, typer.Option("--backend", "-b", help="The backend approved.")],
+    by: Annotated[str, typer.Option("--by", help="Who approves, by name.")],
+    note: Annotated[str, typer.Option("--note", help="What was checked.")],
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Record a named person's sign-off for a backend, as evidence for the `sign-off` gate."""
+    from kdctl.gating import record_signoff
+
+    inv = _load(inventory, state_dir)
+    with _store_for(inv) as store:
+        result = record_signoff(inv, store, backend, by, note)
+    if json_:
+        _print_json(result.model_dump(mode="json"))
+    else:
+        out.print(
+            f"recorded sign-off {result.id[:12]} for {backend}: {result.reasons[0]}", markup=False
+        )
 
 
 def err_print(message: str) -> None:

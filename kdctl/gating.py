@@ -9,6 +9,7 @@ from kdctl.backends import Backend, make_backend
 from kdctl.checks._gate import GateContext, ProgressHook, gate_class, gates
 from kdctl.checks.exactness import record_golden
 from kdctl.checks.result import Baseline, BaselineKind, GateResult, utcnow
+from kdctl.checks.signoff import sign_off
 from kdctl.checks.throughput import record_throughput
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore
@@ -61,7 +62,11 @@ def run_gates(
 ) -> list[GateResult]:
     """Run one gate or `all`, record every result as evidence, and return them."""
     _check_names(inv, backend, baseline)
-    names = sorted(gates()) if gate == "all" else [gate_class(gate).name]
+    names = (
+        sorted(n for n, g in gates().items() if g.runnable)
+        if gate == "all"
+        else [gate_class(gate).name]
+    )
     results = []
     with gate_context(inv, store, progress) as ctx:
         for name in names:
@@ -109,3 +114,14 @@ def record_baseline(
             store.record_baseline(baseline)
             recorded.append(baseline)
     return recorded
+
+
+def record_signoff(
+    inv: LoadedInventory, store: EvidenceStore, backend: str, by: str, note: str
+) -> GateResult:
+    """A person's approval, kept as evidence like any gate's result."""
+    _check_names(inv, backend)
+    with gate_context(inv, store) as ctx:
+        result = sign_off(ctx, backend, by, note)
+    store.record(result)
+    return result

@@ -191,6 +191,13 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             yield ("router", "host"), _unknown("host", spec.router.host, hosts)
         if spec.router.serving not in spec.backends:
             yield ("router", "serving"), _unknown("backend", spec.router.serving, spec.backends)
+    for check_name, check in spec.gates.commands.items():
+        for i, target in enumerate(check.backends or []):
+            if target not in spec.backends:
+                yield (
+                    ("gates", "commands", check_name, "backends", i),
+                    _unknown("backend", target, spec.backends),
+                )
 
 
 def _unknown(what: str, name: str, known: Mapping[str, Any]) -> str:

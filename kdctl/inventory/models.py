@@ -284,10 +284,54 @@ class TpHealthSettings(_Model):
     require_nvlink: bool = False
 
 
+_THRESHOLD = re.compile(r"^\s*(>=|<=|==|>|<)\s*(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)\s*$")
+
+
+def _threshold(value: str) -> str:
+    if not _THRESHOLD.match(value):
+        raise ValueError(f"{value!r} is not a threshold such as '>= 900' or '== 0'")
+    return value
+
+
+class CommandCheck(_Model):
+    """A program on the backend's host that prints one JSON object of metrics (the native
+    engine's kernel benchmark, its test suite), judged by thresholds on those metrics."""
+
+    command: str | list[str]
+    workdir: HostPath | None = None
+    timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    thresholds: dict[str, Annotated[str, AfterValidator(_threshold)]] = Field(min_length=1)
+    # The backends it judges; unset, every backend.
+    backends: list[Name] | None = None
+
+    @property
+    def argv(self) -> list[str]:
+        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
+
+    @model_validator(mode="after")
+    def _splits(self) -> CommandCheck:
+        try:
+            argv = self.argv
+        except ValueError as exc:
+            raise ValueError(f"command cannot be split into arguments: {exc}") from None
+        if not argv or not argv[0]:
+            raise ValueError("command must not be empty")
+        return self
+
+    def parsed(self) -> dict[str, tuple[str, float]]:
+        out = {}
+        for metric, text in self.thresholds.items():
+            m = _THRESHOLD.match(text)
+            assert m is not None
+            out[metric] = (m.group(1), float(m.group(2)))
+        return out
+
+
 class GateSettings(_Model):
     throughput: ThroughputSettings = ThroughputSettings()
     exactness: ExactnessSettings = ExactnessSettings()
     tp_health: TpHealthSettings = TpHealthSettings()
+    commands: dict[Name, CommandCheck] = Field(default_factory=dict)
 
 
 class Inventory(_Model):

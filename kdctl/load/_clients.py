@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, ClassVar
 
 from kdctl.errors import InputError
@@ -29,7 +29,7 @@ class StreamClient(abc.ABC):
         self.timeout = timeout
 
     @abc.abstractmethod
-    def lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, str]]: ...
+    def lines(self, url: str, body: dict[str, Any]) -> AsyncGenerator[tuple[float, str], None]: ...
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...
@@ -48,7 +48,9 @@ class HttpxClient(StreamClient):
             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
         )
 
-    async def lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, str]]:
+    async def lines(
+        self, url: str, body: dict[str, Any]
+    ) -> AsyncGenerator[tuple[float, str], None]:
         try:
             async with self._client.stream("POST", url, json=body, headers=self.headers) as resp:
                 if resp.status_code >= 400:
@@ -78,7 +80,9 @@ class AiohttpClient(StreamClient):
             read_bufsize=1 << 22,
         )
 
-    async def lines(self, url: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, str]]:
+    async def lines(
+        self, url: str, body: dict[str, Any]
+    ) -> AsyncGenerator[tuple[float, str], None]:
         try:
             async with self._session.post(url, json=body, headers=self.headers) as resp:
                 if resp.status >= 400:

@@ -1,0 +1,119 @@
+"""command: a program on the backend's host prints one JSON object of metrics, and thresholds
+judge them. It is how the native engine's kernel benchmarks and test suites become evidence
+before the engine can serve."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from kdctl.checks._gate import Gate, GateContext, provenance_of
+from kdctl.checks.result import Comparison, GateResult, Metric, Verdict, utcnow
+from kdctl.errors import KdctlError
+from kdctl.inventory.models import CommandCheck
+
+
+def read_metrics(stdout: str) -> dict[str, Any]:
+    """The last line of stdout that is a JSON object: programs may log before it. A top-level
+    `metrics` object is unwrapped."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict):
+            inner = doc.get("metrics")
+            return inner if isinstance(inner, dict) else doc
+    raise ValueError("no JSON object on stdout")
+
+
+def judge_check(
+    name: str, check: CommandCheck, exit_code: int, stdout: str, stderr: str
+) -> tuple[list[Metric], list[str]]:
+    """Metrics named `<check>.<metric>` with their thresholds, and the reasons any failed."""
+    reasons: list[str] = []
+    if exit_code != 0:
+        tail = " | ".join(stderr.strip().splitlines()[-3:])[:300]
+        reasons.append(f"{name}: exited {exit_code}{': ' + tail if tail else ''}")
+    try:
+        found = read_metrics(stdout)
+    except ValueError as exc:
+        reasons.append(f"{name}: {exc}")
+        found = {}
+    metrics = []
+    for metric, (op, limit) in check.parsed().items():
+        value = found.get(metric)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            reasons.append(f"{name}: metric {metric!r} is missing or not a number")
+            value = None
+        comparison: Comparison = op  # type: ignore[assignment]
+        m = Metric(name=f"{name}.{metric}", value=value, threshold=limit, comparison=comparison)
+        if m.passed is False:
+            reasons.append(f"{name}: {metric} = {value} is not {op} {limit:g}")
+        metrics.append(m)
+    return metrics, reasons
+
+
+class CommandGate(Gate):
+    name = "command"
+    description = "programs on the backend's host that print JSON metrics, judged by thresholds"
+
+    def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
+        started = utcnow()
+        spec = ctx.inventory.backends[backend]
+        checks = {
+            n: c
+            for n, c in ctx.inventory.spec.gates.commands.items()
+            if c.backends is None or backend in c.backends
+        }
+        metrics: list[Metric] = []
+        reasons: list[str] = []
+        problems: list[str] = []
+        details: dict[str, Any] = {}
+        verdict: Verdict = "pass"
+        if not checks:
+            verdict = "skipped"
+            reasons.append(f"no command checks apply to {backend} (gates.commands)")
+        assert ctx.transport is not None
+        try:
+            transport = ctx.transport(spec.host)
+            for name, check in checks.items():
+                argv = check.argv
+                if check.workdir:
+                    # cd in a shell of its own, every word quoted: the transport takes argv.
+                    argv = [
+                        "sh",
+                        "-c",
+                        f'cd {shlex.quote(check.workdir)} && exec "$@"',
+                        "sh",
+                        *argv,
+                    ]
+                ctx.report(f"command {name}", 0, 1)
+                result = transport.run(argv, timeout=check.timeout_s)
+                ctx.report(f"command {name}", 1, 1)
+                got, why = judge_check(name, check, result.exit_code, result.stdout, result.stderr)
+                metrics += got
+                problems += why
+                details[name] = {
+                    "command": " ".join(shlex.quote(a) for a in check.argv),
+                    "exit_code": result.exit_code,
+                    "stdout_tail": result.stdout[-2000:],
+                }
+                if not why:
+                    reasons.append(f"{name}: every threshold holds")
+        except KdctlError as exc:
+            verdict, problems = "error", [*problems, str(exc)]
+        if verdict == "pass" and problems:
+            verdict = "fail"
+        return GateResult(
+            gate=self.name,
+            backend=backend,
+            verdict=verdict,
+            metrics=metrics,
+            reasons=problems + reasons,
+            provenance=provenance_of(ctx, backend, None, None),
+            details=details,
+            started_at=started,
+            ended_at=utcnow(),
+        )

@@ -1,0 +1,43 @@
+"""sign-off: a named person's approval, with a note, for what no program can decide (a soak
+period watched on dashboards, a change window agreed with the product owner)."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+from kdctl.checks._gate import Gate, GateContext, provenance_of
+from kdctl.checks.result import GateResult, utcnow
+from kdctl.errors import InputError
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class SignOffGate(Gate):
+    name = "sign-off"
+    description = "a named person's approval with a note (kdctl signoff)"
+    runnable: ClassVar[bool] = False
+
+    def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
+        raise InputError(
+            "a sign-off is given by a person: kdctl signoff -b BACKEND --by NAME --note TEXT"
+        )
+
+
+def sign_off(ctx: GateContext, backend: str, by: str, note: str) -> GateResult:
+    who, why = by.strip(), note.strip()
+    if not who or _CONTROL.search(who) or len(who) > 200:
+        raise InputError("--by: give the approver's name (one line, at most 200 characters)")
+    if not why or _CONTROL.search(why.replace("\n", " ")) or len(why) > 4000:
+        raise InputError("--note: say what was checked (at most 4000 characters)")
+    now = utcnow()
+    return GateResult(
+        gate=SignOffGate.name,
+        backend=backend,
+        verdict="pass",
+        reasons=[f"signed off by {who}: {why}"],
+        provenance=provenance_of(ctx, backend, None, None),
+        details={"by": who, "note": why},
+        started_at=now,
+        ended_at=now,
+    )

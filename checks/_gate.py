@@ -75,6 +75,7 @@ def provenance_of(
 
 
 def _builtin() -> dict[str, type[Gate]]:
+    from kdctl.checks.api_conformance import ApiConformanceGate
     from kdctl.checks.command import CommandGate
     from kdctl.checks.exactness import ExactnessGate
     from kdctl.checks.health import HealthGate
@@ -87,6 +88,7 @@ def _builtin() -> dict[str, type[Gate]]:
         ExactnessGate,
         ThroughputGate,
         TpHealthGate,
+        ApiConformanceGate,
         CommandGate,
         SignOffGate,
     )

@@ -87,7 +87,7 @@ def content_hash(data: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-BaselineKind = Literal["golden", "throughput"]
+BaselineKind = Literal["golden", "throughput", "api"]
 
 
 class Baseline(BaseModel):

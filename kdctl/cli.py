@@ -198,7 +198,7 @@ def baseline_record(
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
     only: Annotated[
-        str | None, typer.Option("--only", help="Record only `golden` or `throughput`.")
+        str | None, typer.Option("--only", help="Record only `golden`, `throughput` or `api`.")
     ] = None,
 ) -> None:
     """Record golden outputs (token ids and top-k logprobs over the exactness corpus) and a

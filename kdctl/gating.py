@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 from kdctl.backends import Backend, make_backend
 from kdctl.checks._gate import GateContext, ProgressHook, gate_class, gates
+from kdctl.checks.api_conformance import record_api
 from kdctl.checks.exactness import record_golden
 from kdctl.checks.result import Baseline, BaselineKind, GateResult, utcnow
 from kdctl.checks.signoff import sign_off
@@ -90,7 +91,7 @@ def run_gates(
     return results
 
 
-BASELINE_KINDS: tuple[BaselineKind, ...] = ("golden", "throughput")
+BASELINE_KINDS: tuple[BaselineKind, ...] = ("golden", "throughput", "api")
 
 
 def record_baseline(
@@ -106,7 +107,7 @@ def record_baseline(
     Each is stored as soon as it is measured, so a failure in the second keeps the first.
     """
     _check_names(inv, backend)
-    recorders = {"golden": record_golden, "throughput": record_throughput}
+    recorders = {"golden": record_golden, "throughput": record_throughput, "api": record_api}
     recorded = []
     with gate_context(inv, store, progress) as ctx:
         for kind in kinds:

@@ -219,6 +219,9 @@ def progress_bars(
 def baseline_line(b: Baseline) -> str:
     """One line per recorded baseline: what it holds, in the figures a person checks first."""
     head = f"recorded {b.kind} baseline {b.id[:12]} from {b.backend}"
+    if b.kind == "api":
+        answers = b.payload.get("answers", {})
+        return f"{head}: answers to {len(answers)} API probes"
     if b.kind == "golden":
         return f"{head}: {len(b.payload.get('outputs', []))} prompts, workload {b.workload_hash}"
     points = ", ".join(

@@ -152,3 +152,49 @@ def test_status_shows_vllm_with_model_and_version(
     assert backends["sglang"]["version"].startswith("kdctl-reference")
     table = kdctl("status", "-i", str(inv))
     assert backends["vllm"]["version"] in table.out and "tiny-llama" in table.out
+
+
+def test_api_conformance_of_vllm_against_an_sglang_api(
+    vllm: str,
+    reference_server,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """vLLM serves the OpenAI routes as SGLang does, but not SGLang's native ones: the gate,
+    working from the baseline's live answers, must say exactly that."""
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "sglang-api": {"kind": "sglang", "host": "local", "url": reference_server.url},
+                "vllm": {"kind": "openai", "host": "local", "url": vllm},
+            },
+            "state_dir": "state",
+        },
+    )
+    recorded = kdctl("baseline", "record", "-b", "sglang-api", "--only", "api", "-i", str(inv))
+    assert recorded.code == 0 and "answers to 14 API probes" in recorded.out, recorded.err
+    run = kdctl(
+        "gate",
+        "run",
+        "api-conformance",
+        "-b",
+        "vllm",
+        "--baseline",
+        "sglang-api",
+        "-i",
+        str(inv),
+        "--json",
+    )
+    assert run.code == 1 and run.out, run.err
+    (result,) = json.loads(run.out)["results"]
+    differences = result["details"]["differences"]
+    # SGLang's native routes are absent from vLLM.
+    assert {"generate", "generate_stream", "model_info", "server_info"} <= set(differences)
+    assert differences["generate"] == ["HTTP 404, baseline 200"]
+    # The OpenAI completions route, streamed or not, conforms.
+    assert "completions" not in differences and "completions_stream" not in differences
+    assert "error_unknown_model" not in differences and "error_unknown_route" not in differences
+    # The tiny Llama has no chat template: vLLM refuses chat, which the reference serves.
+    assert differences["chat"] == ["HTTP 400, baseline 200"]
+    assert "answers recorded" in result["reasons"][0]

@@ -1,0 +1,284 @@
+"""api-conformance: the candidate answers what clients and routers use, as the baseline does.
+
+The expectations are not a fixed list: the probes below are sent to the baseline, live or as
+recorded by `kdctl baseline record`, and what it answers (status, content type, the shape of
+every JSON body and stream event, how a stream ends) is what the candidate must match. Values
+differ between engines and are not compared; keys, types, status codes and framing are.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kdctl.backends import Backend, HttpBackend
+from kdctl.backends.health import bearer
+from kdctl.checks._gate import Gate, GateContext, provenance_of
+from kdctl.checks.result import Baseline, GateResult, Metric, Verdict, content_hash, utcnow
+from kdctl.errors import InputError, KdctlError
+
+MODEL = "{model}"  # replaced by each engine's own served model name
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    method: str
+    path: str
+    body: Any = None
+    # Sent as raw bytes instead of JSON, for the malformed-body probe.
+    raw: bytes | None = None
+
+
+_GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+_CMPL = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+_CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 3,
+    "temperature": 0,
+}
+PROBES = (
+    Probe("health", "GET", "/health"),
+    Probe("health_generate", "GET", "/health_generate"),
+    Probe("models", "GET", "/v1/models"),
+    Probe("model_info", "GET", "/model_info"),
+    Probe("server_info", "GET", "/server_info"),
+    Probe("generate", "POST", "/generate", _GEN),
+    Probe("generate_stream", "POST", "/generate", {**_GEN, "stream": True}),
+    Probe("completions", "POST", "/v1/completions", _CMPL),
+    Probe(
+        "completions_stream",
+        "POST",
+        "/v1/completions",
+        {**_CMPL, "stream": True, "stream_options": {"include_usage": True}},
+    ),
+    Probe("chat", "POST", "/v1/chat/completions", _CHAT),
+    Probe(
+        "chat_stream",
+        "POST",
+        "/v1/chat/completions",
+        {**_CHAT, "stream": True, "stream_options": {"include_usage": True}},
+    ),
+    Probe("error_unknown_model", "POST", "/v1/completions", {**_CMPL, "model": "no-such-model"}),
+    Probe("error_not_json", "POST", "/generate", raw=b"{not json"),
+    Probe("error_unknown_route", "GET", "/no/such/route"),
+)
+
+
+def shape(value: Any) -> Any:
+    """A value's structure: dicts by key, lists by their first element, scalars by type."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if value is None:
+        return "null"
+    return "str"
+
+
+def merge(a: Any, b: Any) -> Any:
+    """The union of two shapes: stream events differ (the last one carries usage)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: merge(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a | b}
+    if isinstance(a, list) and isinstance(b, list):
+        return [merge(a[0], b[0])] if a and b else a or b
+    if a == "null":
+        return b
+    return a
+
+
+def differences(want: Any, got: Any, path: str = "") -> list[str]:
+    """What the baseline's shape has and the candidate's lacks. Extra keys are allowed; a null
+    on either side matches any type, and a key null in the baseline may be absent."""
+    if want == "null" or got == "null":
+        return []
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            return [f"{path or 'body'}: an object in the baseline, {_kind(got)} here"]
+        out = []
+        for key, sub in want.items():
+            # A key the baseline sent as null is optional: an engine may leave it out.
+            if key in got:
+                out += differences(sub, got[key], f"{path}.{key}")
+            elif sub != "null":
+                out.append(f"{path}.{key}".lstrip(".") + ": missing")
+        return out
+    if isinstance(want, list):
+        if not isinstance(got, list):
+            return [f"{path}: a list in the baseline, {_kind(got)} here"]
+        return differences(want[0], got[0], f"{path}[0]") if want and got else []
+    if want != got:
+        return [f"{path.lstrip('.')}: {want} in the baseline, {_kind(got)} here"]
+    return []
+
+
+def _kind(s: Any) -> str:
+    return "an object" if isinstance(s, dict) else "a list" if isinstance(s, list) else str(s)
+
+
+def _fill(body: Any, model: str) -> Any:
+    if isinstance(body, dict):
+        return {k: _fill(v, model) for k, v in body.items()}
+    return model if body == MODEL else body
+
+
+def answer(client: httpx.Client, be: HttpBackend, probe: Probe, model: str) -> dict[str, Any]:
+    """One probe's answer, reduced to what conformance compares."""
+    headers = {**bearer(be.api_key)}
+    url = be.http.url(probe.path)
+    kwargs: dict[str, Any] = {"headers": headers}
+    if probe.raw is not None:
+        kwargs["content"] = probe.raw
+        headers["content-type"] = "application/json"
+    elif probe.body is not None:
+        kwargs["json"] = _fill(probe.body, model)
+    try:
+        with client.stream(probe.method, url, **kwargs) as resp:
+            ctype = resp.headers.get("content-type", "").split(";")[0].strip()
+            out: dict[str, Any] = {"status": resp.status_code, "content_type": ctype}
+            if ctype == "text/event-stream":
+                events: Any = {}
+                done = False
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        continue
+                    try:
+                        events = merge(events, shape(json.loads(payload)))
+                    except json.JSONDecodeError:
+                        out["bad_event"] = payload[:80]
+                out.update(event=events, ends_with_done=done)
+            else:
+                resp.read()
+                try:
+                    out["body"] = shape(resp.json()) if resp.content else None
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    out["body"] = "not json"
+            return out
+    except httpx.HTTPError as exc:
+        return {"status": None, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _served_model(be: HttpBackend, client: httpx.Client) -> str:
+    try:
+        resp = client.get(be.http.url("/v1/models"), headers=bearer(be.api_key))
+        return str(resp.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+        return be.spec.served_model_name or be.spec.model or "default"
+
+
+def observe(be: Backend, timeout: float = 60.0) -> dict[str, Any]:
+    if not isinstance(be, HttpBackend):
+        raise InputError(f"backend {be.name}: api-conformance needs a served HTTP API")
+    with httpx.Client(timeout=timeout) as client:
+        model = _served_model(be, client)
+        return {p.name: answer(client, be, p, model) for p in PROBES}
+
+
+def compare(want: dict[str, Any], got: dict[str, Any]) -> dict[str, list[str]]:
+    """Per probe, how the candidate's answer departs from the baseline's."""
+    found: dict[str, list[str]] = {}
+    for name, base in want.items():
+        cand = got.get(name, {})
+        diffs: list[str] = []
+        if base.get("status") is None:
+            continue  # the baseline itself did not answer this probe: nothing to hold to
+        if cand.get("status") != base["status"]:
+            diffs.append(
+                f"HTTP {cand.get('status') or cand.get('error')}, baseline {base['status']}"
+            )
+        elif base["status"] < 400 and cand.get("content_type") != base.get("content_type"):
+            diffs.append(
+                f"content type {cand.get('content_type')!r}, baseline {base.get('content_type')!r}"
+            )
+        elif "event" in base:
+            diffs += differences(base["event"], cand.get("event", {}), "event")
+            if base.get("ends_with_done") and not cand.get("ends_with_done"):
+                diffs.append("the stream does not end with data: [DONE]")
+        elif base.get("status", 500) < 400:
+            diffs += differences(base.get("body"), cand.get("body"))
+        if diffs:
+            found[name] = diffs
+    return found
+
+
+API_WORKLOAD = content_hash([p.__dict__ for p in PROBES])[:16]
+
+
+def record_api(ctx: GateContext, backend: str) -> Baseline:
+    with ctx.backend(backend) as be:
+        info = be.info()
+        answers = observe(be)
+    return Baseline(
+        backend=backend,
+        kind="api",
+        workload_hash=API_WORKLOAD,
+        provenance=provenance_of(ctx, backend, info, API_WORKLOAD),
+        payload={"answers": answers},
+    )
+
+
+class ApiConformanceGate(Gate):
+    name = "api-conformance"
+    description = "the routes, fields, streaming format and error codes the baseline serves"
+    needs_baseline = True
+
+    def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
+        started = utcnow()
+        if baseline is None:
+            raise InputError("api-conformance needs --baseline: whose API to match")
+        info = None
+        try:
+            recorded = ctx.baseline_lookup(baseline, "api", API_WORKLOAD)
+            if recorded is not None:
+                want = recorded.payload["answers"]
+                source = f"{baseline}'s answers recorded {recorded.created_at:%Y-%m-%d %H:%M}Z"
+            else:
+                with ctx.backend(baseline) as base_be:
+                    want = observe(base_be)
+                source = f"{baseline}'s live answers"
+            with ctx.backend(backend) as be:
+                info = be.info()
+                got = observe(be)
+        except KdctlError as exc:
+            return GateResult(
+                gate=self.name,
+                backend=backend,
+                baseline=baseline,
+                verdict="error",
+                reasons=[str(exc)],
+                provenance=provenance_of(ctx, backend, info, API_WORKLOAD),
+                started_at=started,
+                ended_at=utcnow(),
+            )
+        found = compare(want, got)
+        held = [n for n, a in want.items() if a.get("status") is not None]
+        verdict: Verdict = "fail" if found else "pass"
+        reasons = [f"{len(held) - len(found)}/{len(held)} probes answered as {source}"]
+        reasons += [f"{name}: {'; '.join(d[:4])}" for name, d in found.items()]
+        return GateResult(
+            gate=self.name,
+            backend=backend,
+            baseline=baseline,
+            verdict=verdict,
+            metrics=[
+                Metric(name="probes", value=len(held)),
+                Metric(name="nonconforming", value=len(found), threshold=0, comparison="=="),
+            ],
+            reasons=reasons,
+            provenance=provenance_of(ctx, backend, info, API_WORKLOAD),
+            details={"baseline": want, "candidate": got, "differences": found},
+            started_at=started,
+            ended_at=utcnow(),
+        )

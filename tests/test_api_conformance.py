@@ -1,0 +1,96 @@
+"""api-conformance between two reference servers, and its shape comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kdctl.checks.api_conformance import compare, differences, merge, shape
+from tests.conftest import Served, kdctl, write_inventory
+
+pytest.importorskip("torch")
+
+
+def test_the_same_api_conforms(
+    reference_server: Served, twin_server: Served, tmp_path: Path
+) -> None:
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
+                "candidate": {
+                    "kind": "native",
+                    "mode": "http",
+                    "host": "local",
+                    "url": twin_server.url,
+                },
+            },
+            "state_dir": "state",
+        },
+    )
+    run = kdctl(
+        "gate",
+        "run",
+        "api-conformance",
+        "-b",
+        "candidate",
+        "--baseline",
+        "baseline",
+        "-i",
+        str(inv),
+        "--json",
+    )
+    assert run.code == 0, run.out + run.err
+    (result,) = json.loads(run.out)["results"]
+    assert result["reasons"][0] == "14/14 probes answered as baseline's live answers"
+    base = result["details"]["baseline"]
+    # What the expectations were generated from: SGLang's framing as the baseline served it.
+    assert base["generate_stream"]["ends_with_done"] is True
+    assert base["generate_stream"]["event"]["meta_info"]["finish_reason"] == {
+        "length": "number",
+        "type": "str",
+    }
+    assert base["completions_stream"]["event"]["usage"]["completion_tokens"] == "number"
+    assert base["error_not_json"]["status"] == 400
+
+
+def test_shapes_compare_keys_types_and_framing() -> None:
+    want = shape({"choices": [{"text": "a", "index": 0}], "usage": {"total": 3}})
+    assert (
+        differences(
+            want, shape({"choices": [{"text": "b", "index": 1, "extra": 1}], "usage": {"total": 9}})
+        )
+        == []
+    )
+    assert differences(want, shape({"choices": [{"text": 5}], "usage": None})) == [
+        "choices[0].index: missing",
+        "choices[0].text: str in the baseline, number here",
+    ]
+    events = merge(
+        shape({"choices": [{"finish_reason": None}]}),
+        shape({"choices": [{"finish_reason": "length"}], "usage": {}}),
+    )
+    assert events == {"choices": [{"finish_reason": "str"}], "usage": {}}
+    found = compare(
+        {
+            "s": {
+                "status": 200,
+                "content_type": "text/event-stream",
+                "event": {"a": "str"},
+                "ends_with_done": True,
+            }
+        },
+        {
+            "s": {
+                "status": 200,
+                "content_type": "text/event-stream",
+                "event": {"a": "str"},
+                "ends_with_done": False,
+            }
+        },
+    )
+    assert found == {"s": ["the stream does not end with data: [DONE]"]}

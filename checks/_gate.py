@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from importlib.metadata import entry_points
 from typing import ClassVar
 
@@ -13,6 +14,7 @@ from kdctl.backends import Backend, EngineInfo
 from kdctl.checks.result import Baseline, BaselineKind, GateResult, Provenance, content_hash
 from kdctl.errors import InputError
 from kdctl.inventory import LoadedInventory
+from kdctl.inventory.models import parse_duration
 from kdctl.transports import Transport
 
 # How the caller hands a gate the recorded baseline for a workload: gates read evidence through
@@ -45,6 +47,8 @@ class Gate(abc.ABC):
     needs_baseline: ClassVar[bool] = False
     # False for gates a person decides (sign-off): `gate run all` passes over them.
     runnable: ClassVar[bool] = True
+    # How long a result counts unless `gates.freshness` says otherwise.
+    freshness_window: ClassVar[timedelta] = timedelta(days=7)
 
     @abc.abstractmethod
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...
@@ -109,3 +113,15 @@ def gate_class(name: str) -> type[Gate]:
     if name not in known:
         raise InputError(f"unknown gate {name!r} (known: {', '.join(sorted(known))})")
     return known[name]
+
+
+def freshness_window(inv: LoadedInventory, gate: str) -> timedelta:
+    """The window a gate's evidence counts for: the inventory's, else the gate's own."""
+    cls = gate_class(gate)
+    configured = inv.spec.gates.freshness
+    for name in configured:
+        if name not in gates():
+            raise InputError(f"gates.freshness.{name}: unknown gate {name!r}")
+    if gate in configured:
+        return parse_duration(configured[gate])
+    return cls.freshness_window

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from kdctl.backends import GenerateRequest
 from kdctl.checks._gate import Gate, GateContext, provenance_of
 from kdctl.checks.result import GateResult, Metric, utcnow
@@ -10,6 +12,7 @@ from kdctl.errors import KdctlError
 
 class HealthGate(Gate):
     name = "health"
+    freshness_window = timedelta(minutes=15)
     description = "liveness, a one-token generation, model identity"
 
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:

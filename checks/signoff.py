@@ -4,6 +4,7 @@ period watched on dashboards, a change window agreed with the product owner)."""
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from typing import ClassVar
 
 from kdctl.checks._gate import Gate, GateContext, provenance_of
@@ -15,6 +16,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 class SignOffGate(Gate):
     name = "sign-off"
+    freshness_window = timedelta(days=30)
     description = "a named person's approval with a note (kdctl signoff)"
     runnable: ClassVar[bool] = False
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import shlex
 import uuid
+from datetime import timedelta
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,7 @@ class _ProbeFailed(Exception):
 
 class TpHealthGate(Gate):
     name = "tp-health"
+    freshness_window = timedelta(hours=24)
     description = "GPU rules, Xids, topology, an all-reduce across the TP ranks, engine memory"
 
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:

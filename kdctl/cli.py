@@ -143,7 +143,12 @@ def gate_list(json_: JsonOpt = False) -> None:
         _print_json(
             {
                 "gates": [
-                    {"name": n, "description": g.description, "needs_baseline": g.needs_baseline}
+                    {
+                        "name": n,
+                        "description": g.description,
+                        "needs_baseline": g.needs_baseline,
+                        "default_freshness_s": int(g.freshness_window.total_seconds()),
+                    }
                     for n, g in sorted(known.items())
                 ]
             }

@@ -224,9 +224,35 @@ def test_health_gate_and_exit_codes(inventory: Any) -> None:
         "gate", "run", "all", "--backend", "candidate", "-i", str(inv), "--json", env=ENV
     )
     verdicts = {x["gate"]: x["verdict"] for x in json.loads(allrun.out)["results"]}
-    assert verdicts == {"exactness": "skipped", "health": "pass"}
+    # Without --baseline the comparing gates are skipped; a person's sign-off is never run.
+    assert verdicts["exactness"] == verdicts["api-conformance"] == "skipped"
+    assert verdicts["health"] == "pass" and verdicts["command"] == "skipped"
+    assert verdicts["throughput"] == "inconclusive" and "tp-health" in verdicts
+    assert "sign-off" not in verdicts
     assert kdctl("gate", "run", "nope", "--backend", "candidate", "-i", str(inv), env=ENV).code == 2
     ghost = kdctl("gate", "run", "health", "--backend", "ghost", "-i", str(inv), env=ENV)
     assert ghost.code == 2 and "unknown backend 'ghost'" in ghost.err
     listed = kdctl("gate", "list", "--json")
     assert {g["name"] for g in json.loads(listed.out)["gates"]} >= {"health", "exactness"}
+
+
+def test_freshness_windows_per_gate(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from kdctl.checks._gate import freshness_window
+    from kdctl.inventory import load_inventory
+
+    inv_path = write_inventory(
+        tmp_path / "inv.yaml",
+        {"hosts": {"local": {"transport": "local"}}, "gates": {"freshness": {"throughput": "3d"}}},
+    )
+    inv = load_inventory(inv_path)
+    assert freshness_window(inv, "throughput") == timedelta(days=3)
+    assert freshness_window(inv, "health") == timedelta(minutes=15)
+    assert freshness_window(inv, "tp-health") == timedelta(hours=24)
+    bad = write_inventory(
+        tmp_path / "bad.yaml",
+        {"hosts": {"local": {"transport": "local"}}, "gates": {"freshness": {"health": "soon"}}},
+    )
+    run = kdctl("inventory", "check", "-i", str(bad))
+    assert run.code == 2 and "gates.freshness.health: 'soon' is not a duration" in run.err

@@ -53,6 +53,7 @@ def test_wheel_layout(wheel: Path) -> None:
         "rich",
         "pydantic",
         "httpx",
+        "aiohttp",
         "paramiko",
         "jinja2",
         "pyyaml",

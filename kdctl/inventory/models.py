@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -327,11 +328,30 @@ class CommandCheck(_Model):
         return out
 
 
+_DURATION = re.compile(r"^(\d+)([smhd])$")
+
+
+def _duration(value: str) -> str:
+    if not _DURATION.match(value) or int(value[:-1]) == 0:
+        raise ValueError(f"{value!r} is not a duration such as '15m', '24h' or '7d'")
+    return value
+
+
+def parse_duration(value: str) -> timedelta:
+    m = _DURATION.match(value)
+    if m is None:
+        raise ValueError(f"{value!r} is not a duration")
+    unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
+    return timedelta(**{unit: int(m.group(1))})
+
+
 class GateSettings(_Model):
     throughput: ThroughputSettings = ThroughputSettings()
     exactness: ExactnessSettings = ExactnessSettings()
     tp_health: TpHealthSettings = TpHealthSettings()
     commands: dict[Name, CommandCheck] = Field(default_factory=dict)
+    # How long a gate's result counts, by gate name, over the gate's own default window.
+    freshness: dict[str, Annotated[str, AfterValidator(_duration)]] = Field(default_factory=dict)
 
 
 class Inventory(_Model):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from importlib.metadata import entry_points
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kdctl import __version__
 from kdctl.backends import Backend, EngineInfo
@@ -45,10 +45,15 @@ class Gate(abc.ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     needs_baseline: ClassVar[bool] = False
+    # Compares with a baseline when given one, and decides less without (throughput).
+    takes_baseline: ClassVar[bool] = False
     # False for gates a person decides (sign-off): `gate run all` passes over them.
     runnable: ClassVar[bool] = True
     # How long a result counts unless `gates.freshness` says otherwise.
     freshness_window: ClassVar[timedelta] = timedelta(days=7)
+    # The field of the inventory's `gates:` that tunes it, if any; a roadmap criterion may
+    # override it, and each result records the settings it ran with.
+    settings_field: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...
@@ -58,7 +63,15 @@ def provenance_of(
     ctx: GateContext, name: str, info: EngineInfo | None, workload: str | None
 ) -> Provenance:
     """What was measured, as the engine and the inventory describe it now."""
-    spec = ctx.inventory.backends[name]
+    return provenance_for(ctx.inventory, name, info, workload)
+
+
+def provenance_for(
+    inv: LoadedInventory, name: str, info: EngineInfo | None, workload: str | None
+) -> Provenance:
+    """Without the engine's own info (a gate that looks at the host, not the engine) the
+    engine's fields stay unset, and freshness does not hold the result to them."""
+    spec = inv.backends[name]
     identity = {
         "model": info.model if info else spec.model,
         "served_name": info.served_name if info else None,
@@ -69,7 +82,7 @@ def provenance_of(
     return Provenance(
         engine_version=info.version if info else None,
         model_path=identity["model"],
-        config_hash=content_hash(identity)[:16],
+        config_hash=content_hash(identity)[:16] if info else None,
         host=spec.host,
         gpus=list(spec.gpus),
         tp_size=identity["tp_size"],
@@ -125,3 +138,34 @@ def freshness_window(inv: LoadedInventory, gate: str) -> timedelta:
     if gate in configured:
         return parse_duration(configured[gate])
     return cls.freshness_window
+
+
+def gate_settings(inv: LoadedInventory, gate: str) -> dict[str, Any]:
+    """The settings a gate runs with under this inventory, as JSON: kept on every result so a
+    roadmap criterion that asks for other settings is not met by it."""
+    field = gate_class(gate).settings_field
+    if field is None:
+        return {}
+    value = getattr(inv.spec.gates, field)
+    if isinstance(value, dict):
+        return {k: v.model_dump(mode="json") for k, v in value.items()}
+    return value.model_dump(mode="json")  # type: ignore[no-any-return]
+
+
+def with_settings(inv: LoadedInventory, gate: str, overrides: dict[str, Any]) -> LoadedInventory:
+    """The inventory with a gate's settings overridden, validated as the inventory's own are.
+
+    Raises ValueError (pydantic's ValidationError is one) naming what does not fit, so the
+    caller can point at its own file and line.
+    """
+    if not overrides:
+        return inv
+    field = gate_class(gate).settings_field
+    if field is None:
+        raise ValueError(f"the {gate} gate takes no settings")
+    current = getattr(inv.spec.gates, field)
+    if isinstance(current, dict):
+        raise ValueError(f"the {gate} gate's settings are chosen by name, not overridden")
+    merged = type(current).model_validate(current.model_dump() | overrides)
+    gates = inv.spec.gates.model_copy(update={field: merged})
+    return replace(inv, spec=inv.spec.model_copy(update={"gates": gates}))

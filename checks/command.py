@@ -57,6 +57,7 @@ def judge_check(
 
 class CommandGate(Gate):
     name = "command"
+    settings_field = "commands"
     description = "programs on the backend's host that print JSON metrics, judged by thresholds"
 
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
@@ -98,6 +99,8 @@ class CommandGate(Gate):
                 details[name] = {
                     "command": " ".join(shlex.quote(a) for a in check.argv),
                     "exit_code": result.exit_code,
+                    # Each check's own verdict: a roadmap criterion names one check.
+                    "verdict": "fail" if why else "pass",
                     "stdout_tail": result.stdout[-2000:],
                 }
                 if not why:

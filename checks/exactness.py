@@ -156,6 +156,7 @@ def compare_prompt(cand: dict[str, Any], base: dict[str, Any], mode: str) -> dic
 
 class ExactnessGate(Gate):
     name = "exactness"
+    settings_field = "exactness"
     description = "greedy outputs on a prompt corpus against the baseline's golden outputs"
     needs_baseline = True
 

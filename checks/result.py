@@ -74,6 +74,8 @@ class GateResult(BaseModel):
     reasons: list[str] = Field(default_factory=list)
     provenance: Provenance = Field(default_factory=Provenance)
     details: dict[str, Any] = Field(default_factory=dict)
+    # The gate's settings as it ran: a criterion asking for other settings is not met by it.
+    settings: dict[str, Any] = Field(default_factory=dict)
     started_at: datetime
     ended_at: datetime
 

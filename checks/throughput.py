@@ -120,6 +120,8 @@ def record_throughput(ctx: GateContext, backend: str) -> Baseline:
 
 class ThroughputGate(Gate):
     name = "throughput"
+    settings_field = "throughput"
+    takes_baseline = True
     description = "output token throughput against the baseline's, and latency SLOs"
 
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:

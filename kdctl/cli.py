@@ -98,10 +98,14 @@ def status(
     ] = 20.0,
 ) -> None:
     """Hosts, GPUs and backends as live probes see them. Exit 3 when a host is unreachable."""
+    from kdctl.readiness import assess
     from kdctl.render import status_tables
     from kdctl.status import collect_status
 
-    report = collect_status(_load(inventory, state_dir), deadline_s=timeout)
+    inv = _load(inventory, state_dir)
+    report = collect_status(inv, deadline_s=timeout)
+    with _store_for(inv) as store:
+        report.answers = assess(inv, store, timeout_s=min(timeout, 15.0)).answers
     if json_:
         _print_json(report)
     else:
@@ -110,6 +114,68 @@ def status(
         if not json_:
             sys.stderr.write(f"unreachable: {', '.join(report.unreachable)}\n")
         raise typer.Exit(3)
+
+
+RoadmapOpt = Annotated[
+    Path | None,
+    typer.Option("--roadmap", help="Roadmap file [default: the inventory's roadmap:]"),
+]
+
+
+@app.command()
+def phases(
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    roadmap: RoadmapOpt = None,
+    json_: JsonOpt = False,
+    target: Annotated[
+        str | None, typer.Option("--target", help="The phase to reach [default: the roadmap's].")
+    ] = None,
+    candidate: Annotated[
+        str | None,
+        typer.Option("--candidate", help="Judge another backend by the roadmap's criteria."),
+    ] = None,
+    run: Annotated[
+        bool,
+        typer.Option("--run", help="First run the gate behind every unmet criterion."),
+    ] = False,
+    only: Annotated[
+        list[str] | None, typer.Option("--phase", help="With --run: only this phase (repeat).")
+    ] = None,
+) -> None:
+    """The roadmap's phases from evidence: done, in progress, blocked, remaining, and every
+    unmet criterion with its threshold, last value and age. Exit 0 when the target phase is
+    reachable now, 1 when not."""
+    from kdctl.errors import InputError
+    from kdctl.readiness import assess, run_criteria
+    from kdctl.render import phases_table, progress_bars
+
+    inv = _load(inventory, state_dir)
+    with _store_for(inv) as store:
+        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate)
+        if found.phases is None:
+            raise InputError(f"{inv.path}: no roadmap selected (set roadmap: or --roadmap)")
+        if run:
+            with progress_bars(err, not json_) as progress:
+                run_criteria(
+                    inv,
+                    store,
+                    found.phases,
+                    roadmap=roadmap,
+                    phases=only,
+                    on_start=None if json_ else lambda what: err_print(f"running {what}..."),
+                    progress=progress,
+                )
+            found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate)
+    assert found.phases is not None
+    if json_:
+        doc = found.phases.model_dump(mode="json")
+        doc["answers"] = found.answers.model_dump(mode="json")
+        _print_json(doc)
+    else:
+        out.print(phases_table(found.phases))
+    if not found.phases.target_reachable:
+        raise typer.Exit(1)
 
 
 @inventory_app.command("check")

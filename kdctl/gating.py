@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from kdctl.backends import Backend, make_backend
-from kdctl.checks._gate import GateContext, ProgressHook, gate_class, gates
+from kdctl.checks._gate import (
+    GateContext,
+    ProgressHook,
+    gate_class,
+    gate_settings,
+    gates,
+    provenance_for,
+)
 from kdctl.checks.api_conformance import record_api
 from kdctl.checks.exactness import record_golden
-from kdctl.checks.result import Baseline, BaselineKind, GateResult, utcnow
+from kdctl.checks.result import Baseline, BaselineKind, GateResult, Provenance, utcnow
 from kdctl.checks.signoff import sign_off
 from kdctl.checks.throughput import record_throughput
-from kdctl.errors import InputError
+from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
-from kdctl.transports import TransportPool
+from kdctl.transports import TransportPool, fan_out
 
 
 @contextmanager
@@ -86,6 +94,7 @@ def run_gates(
                 )
             else:
                 result = cls().run(ctx, backend, baseline)
+            result.settings = gate_settings(inv, name)
             store.record(result)
             results.append(result)
     return results
@@ -126,3 +135,57 @@ def record_signoff(
         result = sign_off(ctx, backend, by, note)
     store.record(result)
     return result
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a backend is now, to hold evidence against: the engine's own word when it answers
+    (`live`), else what the inventory declares, with the reason it is not live."""
+
+    provenance: Provenance
+    live: bool
+    note: str | None = None
+
+
+def identify_backends(
+    inv: LoadedInventory, names: Iterable[str], *, timeout_s: float = 15.0
+) -> dict[str, Identity]:
+    """Ask every backend what it serves, in parallel; one that does not answer in time is
+    described by the inventory alone."""
+    wanted = sorted(set(names))
+    _check_names(inv, *wanted)
+    with TransportPool(inv) as pool:
+
+        def ask(name: str) -> Identity:
+            spec = inv.backends[name]
+            try:
+                with make_backend(
+                    name,
+                    spec,
+                    api_key=inv.api_key(name),
+                    transport=pool.get(spec.host),
+                    timeout=timeout_s,
+                ) as be:
+                    info = be.info()
+            except KdctlError as exc:
+                return Identity(
+                    provenance_for(inv, name, None, None),
+                    live=False,
+                    note=f"{name} did not say what it serves ({exc}); held to the inventory",
+                )
+            return Identity(provenance_for(inv, name, info, None), live=True)
+
+        outcomes = fan_out(ask, wanted, max_workers=8, deadline_s=timeout_s + 5)
+    found = {}
+    for name in wanted:
+        out = outcomes[name]
+        if isinstance(out.value, Identity):
+            found[name] = out.value
+        else:
+            why = "no answer in time" if out.timed_out else str(out.error)
+            found[name] = Identity(
+                provenance_for(inv, name, None, None),
+                live=False,
+                note=f"{name} did not say what it serves ({why}); held to the inventory",
+            )
+    return found

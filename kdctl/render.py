@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 
 from rich.console import Console, Group
 from rich.progress import (
@@ -18,7 +19,10 @@ from rich.table import Table
 from rich.text import Text
 
 from kdctl.checks.result import Baseline, GateResult
+from kdctl.evidence.freshness import age_text
 from kdctl.inventory import LoadedInventory
+from kdctl.readiness import Answers
+from kdctl.roadmap import Measured, PhaseReport
 from kdctl.status import StatusReport
 
 _STATE_STYLE = {"up": "green", "starting": "yellow", "down": "red", "unknown": "magenta"}
@@ -102,7 +106,9 @@ def status_tables(report: StatusReport) -> Group:
         )
     else:
         traffic = Text("Traffic: no router in the inventory")
-    return Group(hosts, backends, traffic)
+    if report.answers is None:
+        return Group(hosts, backends, traffic)
+    return Group(answers_text(report.answers), hosts, backends, traffic)
 
 
 def inventory_summary(inv: LoadedInventory) -> Group:
@@ -230,3 +236,57 @@ def baseline_line(b: Baseline) -> str:
         for p in b.payload.get("points", [])
     )
     return f"{head}: {points}; workload {b.workload_hash}"
+
+
+_PHASE_STYLE = {"done": "green", "in_progress": "yellow", "blocked": "red", "remaining": "dim"}
+_CRITERION_STYLE = {"pass": "green", "fail": "red", "missing": "yellow", "stale": "magenta"}
+
+
+def answers_text(answers: Answers) -> Text:
+    text = Text()
+    for i, line in enumerate(answers.lines()):
+        text.append(f"{i + 1}. ", "bold")
+        text.append(line + "\n")
+    return text
+
+
+def _value(m: Measured) -> str:
+    if m.value is None:
+        return f"{m.metric} unmeasured"
+    value = f"{m.value:.4g}" if isinstance(m.value, float) else str(m.value)
+    return f"{m.metric} {value}"
+
+
+def phases_table(report: PhaseReport) -> Group:
+    head = Text(f"{report.title} ({report.roadmap}); target {report.target}", "bold")
+    table = Table(title="Phases", title_justify="left")
+    for col in ("phase", "status", "criteria met", "title"):
+        table.add_column(col)
+    for p in report.phases:
+        table.add_row(
+            _t(p.id), Text(p.status, _PHASE_STYLE[p.status]), f"{p.met}/{p.total}", _t(p.title)
+        )
+    unmet = Table(title="Unmet criteria", title_justify="left")
+    for col in ("phase", "criterion", "state", "threshold", "last measured", "age", "why"):
+        unmet.add_column(col)
+    for p in report.phases:
+        for c in p.criteria:
+            if c.met:
+                continue
+            measured = ", ".join(_value(m) for m in c.values[:4]) or "-"
+            age = "-" if c.age_s is None else age_text(timedelta(seconds=c.age_s))
+            unmet.add_row(
+                _t(p.id),
+                _t(c.name),
+                Text(c.state, _CRITERION_STYLE[c.state]),
+                _t(c.threshold),
+                _t(measured),
+                age,
+                Text(c.reason[:160]),
+            )
+    parts: list[Text | Table] = [head, table]
+    if unmet.row_count:
+        parts.append(unmet)
+    for note in report.notes:
+        parts.append(Text(f"note: {note}", "yellow"))
+    return Group(*parts)

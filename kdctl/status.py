@@ -21,6 +21,7 @@ from kdctl.probes import (
     probe_service,
     probe_xids,
 )
+from kdctl.readiness import Answers
 from kdctl.transports import TransportPool, fan_out
 
 
@@ -70,6 +71,8 @@ class StatusReport(BaseModel):
     hosts: list[HostStatus]
     backends: list[BackendStatus]
     traffic: TrafficStatus
+    # The three answers, when the evidence store could be read.
+    answers: Answers | None = None
 
     @property
     def unreachable(self) -> list[str]:

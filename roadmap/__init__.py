@@ -1,1 +1,32 @@
-"""Roadmaps (phases and their exit criteria) and prompt corpora, shipped as package data."""
+"""Roadmaps: phases from the engine serving today to cutover, each with exit criteria that
+readiness gates decide; their status is computed from evidence. The YAML files beside this
+module are the shipped roadmaps, and prompts/ their corpora."""
+
+from kdctl.roadmap._evaluate import (
+    CriterionStatus,
+    Measured,
+    PhaseReport,
+    PhaseStatus,
+    criterion_backends,
+    evaluate,
+    pinned_settings,
+)
+from kdctl.roadmap._load import ResolvedCriterion, Roadmap, load_roadmap, roadmap_path
+from kdctl.roadmap._model import Criterion, Phase, RoadmapSpec
+
+__all__ = [
+    "Criterion",
+    "CriterionStatus",
+    "Measured",
+    "Phase",
+    "PhaseReport",
+    "PhaseStatus",
+    "ResolvedCriterion",
+    "Roadmap",
+    "RoadmapSpec",
+    "criterion_backends",
+    "evaluate",
+    "load_roadmap",
+    "pinned_settings",
+    "roadmap_path",
+]

@@ -18,7 +18,7 @@ class Freshness:
     age: timedelta
 
 
-def _age(delta: timedelta) -> str:
+def age_text(delta: timedelta) -> str:
     secs = int(delta.total_seconds())
     if secs < 120:
         return f"{secs}s"
@@ -35,22 +35,31 @@ def freshness(
     window: timedelta,
     current: Provenance,
     now: datetime | None = None,
+    live: bool = True,
 ) -> Freshness:
-    """Stale evidence counts as missing. A field the live deployment cannot report is a
-    mismatch too: a result that cannot be tied to what runs now proves nothing about it."""
+    """Stale evidence counts as missing.
+
+    A field the result never measured (a host-level gate records no engine version) is not
+    held against it. With `live`, `current` is what the running engine reports, and a field it
+    cannot report is a mismatch: a result that cannot be tied to what runs now proves nothing
+    about it. Without (the engine did not answer), `current` is what the inventory declares,
+    and only the fields it declares are compared.
+    """
     age = (now or utcnow()) - result.ended_at
     if age > window:
-        return Freshness(False, f"stale: {_age(age)} old, window {_age(window)}", age)
+        return Freshness(False, f"stale: {age_text(age)} old, window {age_text(window)}", age)
     if age < timedelta(0):
         return Freshness(False, "stale: ended in the future (clock skew?)", age)
     changed = []
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
-        if then in (None, []) and now_value in (None, []):
+        if then in (None, []):
+            continue
+        if now_value in (None, []) and not live:
             continue
         if then != now_value:
             shown_now = "unknown" if now_value in (None, []) else now_value
             changed.append(f"{name} {then} -> {shown_now}")
     if changed:
         return Freshness(False, "stale: deployment changed: " + "; ".join(changed), age)
-    return Freshness(True, f"fresh: {_age(age)} old, window {_age(window)}", age)
+    return Freshness(True, f"fresh: {age_text(age)} old, window {age_text(window)}", age)

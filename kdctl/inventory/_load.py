@@ -87,12 +87,12 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
     try:
         spec = Inventory.model_validate(doc.data)
     except ValidationError as exc:
-        raise InputError(_format(doc, _pydantic_problems(exc))) from None
+        raise InputError(format_problems(doc, pydantic_problems(exc))) from None
 
     base = path.parent
     problems = list(_cross_check(spec, base))
     if problems:
-        raise InputError(_format(doc, problems))
+        raise InputError(format_problems(doc, problems))
 
     chosen = state_dir or os.environ.get(ENV_STATE_DIR) or spec.state_dir
     return LoadedInventory(spec=spec, path=path, state_dir=local_path(Path(chosen), base))
@@ -133,7 +133,7 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
         if be.kind not in kinds:
             yield (*at, "kind"), f"unknown backend kind {be.kind!r} (known: {', '.join(kinds)})"
         if be.host not in hosts:
-            yield (*at, "host"), _unknown("host", be.host, hosts)
+            yield (*at, "host"), unknown_name("host", be.host, hosts)
         if be.mode is not None and be.kind != "native":
             yield (*at, "mode"), "only a 'native' backend has a mode"
         if be.mode == "command" and not be.command:
@@ -188,19 +188,19 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
                     )
     if spec.router:
         if spec.router.host not in hosts:
-            yield ("router", "host"), _unknown("host", spec.router.host, hosts)
+            yield ("router", "host"), unknown_name("host", spec.router.host, hosts)
         if spec.router.serving not in spec.backends:
-            yield ("router", "serving"), _unknown("backend", spec.router.serving, spec.backends)
+            yield ("router", "serving"), unknown_name("backend", spec.router.serving, spec.backends)
     for check_name, check in spec.gates.commands.items():
         for i, target in enumerate(check.backends or []):
             if target not in spec.backends:
                 yield (
                     ("gates", "commands", check_name, "backends", i),
-                    _unknown("backend", target, spec.backends),
+                    unknown_name("backend", target, spec.backends),
                 )
 
 
-def _unknown(what: str, name: str, known: Mapping[str, Any]) -> str:
+def unknown_name(what: str, name: str, known: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(name, list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     listed = ", ".join(sorted(known)) or "none defined"
@@ -224,7 +224,9 @@ _FIELD_WORDS = {
 }
 
 
-def _pydantic_problems(exc: ValidationError) -> list[tuple[Loc, str]]:
+def pydantic_problems(
+    exc: ValidationError, root: type[BaseModel] = Inventory
+) -> list[tuple[Loc, str]]:
     problems: list[tuple[Loc, str]] = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if p not in SERVICE_TAGS and p != "[key]")
@@ -240,7 +242,7 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Loc, str]]:
             msg = f"must be {bounds[kind]} {limit} (got {err['input']!r})"
         elif kind == "extra_forbidden":
             msg = "unknown field"
-            fields = _fields_at(loc[:-1])
+            fields = _fields_at(root, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), fields, n=1) if fields else []
             if close:
                 msg += f"; did you mean {close[0]!r}?"
@@ -257,14 +259,16 @@ def _pydantic_problems(exc: ValidationError) -> list[tuple[Loc, str]]:
     return problems
 
 
-def _fields_at(loc: Loc) -> list[str]:
+def _fields_at(root: type[BaseModel], loc: Loc) -> list[str]:
     """The field names the model at `loc` accepts, for 'did you mean' hints."""
-    model: Any = Inventory
+    model: Any = root
     for part in loc:
         if isinstance(part, str) and _is_model(model) and part in model.model_fields:
             model = _model_in(model.model_fields[part].annotation)
         elif isinstance(part, str) and get_origin(model) is dict:
             model = _model_in(get_args(model)[1])  # hosts.NAME, backends.NAME
+        elif isinstance(part, int) and get_origin(model) is list:
+            model = _model_in(get_args(model)[0])  # phases[0]
         else:
             return []
     return list(model.model_fields) if _is_model(model) else []
@@ -278,7 +282,7 @@ def _model_in(tp: Any) -> Any:
     """Unwrap Annotated and Optional down to a model or a dict type."""
     if get_origin(tp) is Annotated:
         return _model_in(get_args(tp)[0])
-    if _is_model(tp) or get_origin(tp) is dict:
+    if _is_model(tp) or get_origin(tp) in (dict, list):
         return tp
     for arg in get_args(tp):
         inner = _model_in(arg)
@@ -287,7 +291,7 @@ def _model_in(tp: Any) -> Any:
     return None
 
 
-def _format(doc: _yaml.Document, problems: list[tuple[Loc, str]]) -> str:
+def format_problems(doc: _yaml.Document, problems: list[tuple[Loc, str]]) -> str:
     lines = []
     for loc, msg in problems:
         line = doc.line_of(loc)

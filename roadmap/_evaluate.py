@@ -1,0 +1,305 @@
+"""A roadmap's state, computed from evidence: never typed in, never cached.
+
+A criterion is met only by the newest result that matches it (gate, backend, baseline, the
+settings it pins), and only while that result is fresh. A newer failure undoes an older pass.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from kdctl.checks._gate import freshness_window, gate_class, with_settings
+from kdctl.checks.result import GateResult, Metric, utcnow
+from kdctl.evidence import EvidenceStore, freshness
+from kdctl.evidence.freshness import age_text
+from kdctl.gating import Identity
+from kdctl.inventory import LoadedInventory
+from kdctl.inventory.models import parse_duration
+from kdctl.roadmap._load import ResolvedCriterion, Roadmap
+from kdctl.roadmap._model import parse_threshold
+
+CriterionState = Literal["pass", "fail", "missing", "stale"]
+PhaseState = Literal["done", "in_progress", "blocked", "remaining"]
+_COMPARE = {
+    ">=": lambda v, t: v >= t,
+    "<=": lambda v, t: v <= t,
+    ">": lambda v, t: v > t,
+    "<": lambda v, t: v < t,
+    "==": lambda v, t: v == t,
+}
+
+
+class Measured(BaseModel):
+    metric: str
+    value: float | int | str | None
+    threshold: str | None = None
+    ok: bool | None = None
+
+
+class CriterionStatus(BaseModel):
+    name: str
+    phase: str
+    gate: str
+    backend: str
+    baseline: str | None
+    command: str | None = None
+    settings: dict[str, Any] = {}
+    # What it takes, in words: the thresholds a person checks.
+    threshold: str
+    met: bool
+    state: CriterionState
+    reason: str
+    evidence_id: str | None = None
+    verdict: str | None = None
+    ended_at: datetime | None = None
+    age_s: float | None = None
+    window_s: float
+    identity: Literal["live", "declared"] = "declared"
+    values: list[Measured] = []
+
+
+class PhaseStatus(BaseModel):
+    id: str
+    title: str
+    status: PhaseState
+    depends_on: list[str]
+    blocked_by: list[str] = []
+    met: int
+    total: int
+    criteria: list[CriterionStatus]
+
+
+class PhaseReport(BaseModel):
+    roadmap: str
+    title: str
+    serving: str
+    candidate: str
+    target: str
+    evaluated_at: datetime
+    phases: list[PhaseStatus]
+    # The target's prerequisites all done: traffic may move now.
+    target_reachable: bool
+    blocking: list[CriterionStatus] = []
+    notes: list[str] = []
+
+    @property
+    def remaining(self) -> list[PhaseStatus]:
+        return [p for p in self.phases if p.status != "done"]
+
+
+def evaluate(
+    roadmap: Roadmap,
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    identities: Mapping[str, Identity],
+    *,
+    target: str | None = None,
+    candidate: str | None = None,
+    now: datetime | None = None,
+) -> PhaseReport:
+    now = now or utcnow()
+    target = target or roadmap.target
+    roadmap.phase(target)
+    criteria: dict[str, list[CriterionStatus]] = {
+        phase_id: [_criterion(c, inv, store, identities, now) for c in resolved]
+        for phase_id, resolved in roadmap.criteria(candidate).items()
+    }
+    done = {pid for pid, cs in criteria.items() if all(c.met for c in cs)}
+    phases = []
+    for phase in roadmap.phases:
+        cs = criteria[phase.id]
+        met = sum(c.met for c in cs)
+        unmet_deps = [d for d in phase.depends_on if d not in done]
+        status: PhaseState
+        if phase.id in done:
+            status = "done"
+        elif met:
+            status = "in_progress"
+        elif unmet_deps:
+            status = "blocked"
+        else:
+            status = "remaining"
+        phases.append(
+            PhaseStatus(
+                id=phase.id,
+                title=phase.title,
+                status=status,
+                depends_on=list(phase.depends_on),
+                blocked_by=unmet_deps,
+                met=met,
+                total=len(cs),
+                criteria=cs,
+            )
+        )
+    prerequisites = roadmap.prerequisites(target)
+    blocking = [c for pid in prerequisites for c in criteria[pid] if not c.met]
+    notes = sorted({i.note for i in identities.values() if i.note})
+    return PhaseReport(
+        roadmap=str(roadmap.path),
+        title=roadmap.spec.title,
+        serving=roadmap.spec.serving,
+        candidate=candidate or roadmap.spec.candidate,
+        target=target,
+        evaluated_at=now,
+        phases=phases,
+        target_reachable=not blocking,
+        blocking=blocking,
+        notes=notes,
+    )
+
+
+def criterion_backends(roadmap: Roadmap, candidate: str | None = None) -> set[str]:
+    """Every backend whose identity the evaluation needs."""
+    return {c.backend for cs in roadmap.criteria(candidate).values() for c in cs}
+
+
+def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any]:
+    """The criterion's settings as the gate records them (validated, JSON), its keys only."""
+    if not c.spec.settings:
+        return {}
+    full = with_settings(inv, c.gate, c.spec.settings).spec.gates
+    section = getattr(full, _field(c.gate))
+    dumped: dict[str, Any] = section.model_dump(mode="json")
+    return {k: dumped[k] for k in c.spec.settings}
+
+
+def _field(gate: str) -> str:
+    field = gate_class(gate).settings_field
+    assert field is not None
+    return field
+
+
+def _matches(c: ResolvedCriterion, r: GateResult, pinned: dict[str, Any]) -> bool:
+    if c.baseline is not None and r.baseline != c.baseline:
+        return False
+    if any(r.settings.get(k) != v for k, v in pinned.items()):
+        return False
+    return not (c.spec.command is not None and c.spec.command not in r.details)
+
+
+def _threshold_text(c: ResolvedCriterion, result: GateResult | None) -> str:
+    parts = [f"{m} {t.strip()}" for m, t in c.spec.require.items()]
+    if not parts and result is not None:
+        metrics = _scoped(c, result.metrics)
+        parts = [f"{m.name} {m.comparison} {m.threshold:g}" for m in metrics if m.comparison]
+    pinned = ", ".join(f"{k} {v}" for k, v in c.spec.settings.items())
+    words = "; ".join(parts) or f"{c.gate} passes"
+    return f"{words} ({pinned})" if pinned else words
+
+
+def _scoped(c: ResolvedCriterion, metrics: list[Metric]) -> list[Metric]:
+    """A command criterion looks at its own check's metrics only."""
+    if c.spec.command is None:
+        return metrics
+    return [m for m in metrics if m.name.startswith(f"{c.spec.command}.")]
+
+
+def _require(c: ResolvedCriterion, result: GateResult) -> tuple[list[Measured], list[str]]:
+    values: list[Measured] = []
+    broken: list[str] = []
+    metrics = _scoped(c, result.metrics)
+    for pattern, text in c.spec.require.items():
+        op, limit = parse_threshold(text)
+        found = [m for m in metrics if fnmatch.fnmatchcase(m.name, pattern)]
+        if not found:
+            broken.append(f"{pattern} was not measured")
+            values.append(Measured(metric=pattern, value=None, threshold=text.strip(), ok=False))
+        for m in found:
+            ok = isinstance(m.value, int | float) and _COMPARE[op](float(m.value), limit)
+            values.append(Measured(metric=m.name, value=m.value, threshold=text.strip(), ok=ok))
+            if not ok:
+                broken.append(f"{m.name} {m.value} is not {op} {limit:g}")
+    if not c.spec.require:
+        for m in metrics:
+            if m.comparison is not None:
+                values.append(
+                    Measured(
+                        metric=m.name,
+                        value=m.value,
+                        threshold=f"{m.comparison} {m.threshold:g}",
+                        ok=m.passed,
+                    )
+                )
+    return values, broken
+
+
+def _criterion(
+    c: ResolvedCriterion,
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    identities: Mapping[str, Identity],
+    now: datetime,
+) -> CriterionStatus:
+    window = parse_duration(c.spec.freshness) if c.spec.freshness else freshness_window(inv, c.gate)
+    pinned = pinned_settings(c, inv)
+    result = next(
+        (r for r in store.results(gate=c.gate, backend=c.backend) if _matches(c, r, pinned)),
+        None,
+    )
+    identity = identities.get(c.backend)
+    base: dict[str, Any] = {
+        "name": c.name,
+        "phase": c.phase,
+        "gate": c.gate,
+        "backend": c.backend,
+        "baseline": c.baseline,
+        "command": c.spec.command,
+        "settings": dict(c.spec.settings),
+        "threshold": _threshold_text(c, result),
+        "window_s": window.total_seconds(),
+        "identity": "live" if identity and identity.live else "declared",
+    }
+    if result is None:
+        against = f" against {c.baseline}" if c.baseline else ""
+        return CriterionStatus(
+            **base,
+            met=False,
+            state="missing",
+            reason=f"no {c.gate} result for {c.backend}{against}"
+            + (" with these settings" if pinned else ""),
+        )
+    evidence = {
+        "evidence_id": result.id,
+        "verdict": _verdict(c, result),
+        "ended_at": result.ended_at,
+        "age_s": (now - result.ended_at).total_seconds(),
+    }
+    values, broken = _require(c, result)
+    if identity is None:
+        fresh_ok, why = False, "stale: the backend's identity is unknown"
+    else:
+        f = freshness(
+            result, window=window, current=identity.provenance, now=now, live=identity.live
+        )
+        fresh_ok, why = f.fresh, f.reason
+    if not fresh_ok:
+        return CriterionStatus(
+            **base, **evidence, values=values, met=False, state="stale", reason=why
+        )
+    if evidence["verdict"] != "pass":
+        first = next(iter(result.reasons), "")
+        return CriterionStatus(
+            **base,
+            **evidence,
+            values=values,
+            met=False,
+            state="fail",
+            reason=f"{evidence['verdict']} {age_text(now - result.ended_at)} ago"
+            + (f": {first}" if first else ""),
+        )
+    if broken:
+        return CriterionStatus(
+            **base, **evidence, values=values, met=False, state="fail", reason="; ".join(broken)
+        )
+    return CriterionStatus(**base, **evidence, values=values, met=True, state="pass", reason=why)
+
+
+def _verdict(c: ResolvedCriterion, r: GateResult) -> str:
+    if c.spec.command is not None and r.verdict != "error":
+        return str(r.details.get(c.spec.command, {}).get("verdict", r.verdict))
+    return r.verdict

@@ -1,0 +1,78 @@
+"""The roadmap file's schema: phases, their dependencies, and exit criteria that gates decide."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from kdctl.inventory.models import Name
+
+_THRESHOLD = re.compile(r"^\s*(>=|<=|==|>|<)\s*(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)\s*$")
+_DURATION = re.compile(r"^[1-9]\d*[smhd]$")
+
+
+def _threshold(value: str) -> str:
+    if not _THRESHOLD.match(value):
+        raise ValueError(f"{value!r} is not a threshold such as '>= 1.0' or '== 0'")
+    return value
+
+
+def _duration(value: str) -> str:
+    if not _DURATION.match(value):
+        raise ValueError(f"{value!r} is not a duration such as '15m', '24h' or '7d'")
+    return value
+
+
+def parse_threshold(text: str) -> tuple[str, float]:
+    m = _THRESHOLD.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a threshold")
+    return m.group(1), float(m.group(2))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Criterion(_Model):
+    """One exit criterion: a gate's passing, fresh result for a backend (against a baseline),
+    under given settings, with thresholds on the metrics it recorded."""
+
+    # Unique in the roadmap; unset, `gate:backend` (`command:NAME` for a command check).
+    name: Name | None = None
+    gate: str
+    # Unset: the roadmap's candidate.
+    backend: Name | None = None
+    # Unset: the roadmap's serving backend for gates that compare, none for the others.
+    baseline: Name | None = None
+    # Overrides of the inventory's `gates.<gate>` settings; a result run with other values
+    # for these keys does not count.
+    settings: dict[str, Any] = Field(default_factory=dict)
+    # The command gate: which of the inventory's `gates.commands` decides this criterion.
+    command: Name | None = None
+    # Metric name (shell-style wildcards, e.g. '*.ratio') to threshold; every matching metric
+    # of the result must hold, and at least one must exist.
+    require: dict[str, Annotated[str, AfterValidator(_threshold)]] = Field(default_factory=dict)
+    # Overrides how long the result counts (else `gates.freshness`, else the gate's default).
+    freshness: Annotated[str, AfterValidator(_duration)] | None = None
+    description: str | None = None
+
+
+class Phase(_Model):
+    id: Name
+    title: str = Field(min_length=1)
+    depends_on: list[Name] = Field(default_factory=list)
+    criteria: list[Criterion] = Field(min_length=1)
+    description: str | None = None
+
+
+class RoadmapSpec(_Model):
+    title: str = Field(min_length=1)
+    # The backend that takes traffic today, and the one the roadmap leads to.
+    serving: Name
+    candidate: Name
+    # The phase whose prerequisites decide "can we cut over"; unset, the last phase.
+    target: Name | None = None
+    phases: list[Phase] = Field(min_length=1)

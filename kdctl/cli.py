@@ -178,6 +178,54 @@ def phases(
         raise typer.Exit(1)
 
 
+@app.command()
+def report(
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    roadmap: RoadmapOpt = None,
+    formats: Annotated[
+        str,
+        typer.Option("--format", "-f", help="Comma-separated: markdown, html, junit, json."),
+    ] = "markdown,html,junit,json",
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write into.")] = Path(
+        "kdctl-report"
+    ),
+    target: Annotated[
+        str | None, typer.Option("--target", help="The phase to reach [default: the roadmap's].")
+    ] = None,
+    candidate: Annotated[
+        str | None,
+        typer.Option("--candidate", help="Judge another backend by the roadmap's criteria."),
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The readiness report for CI. Exit 0 when the target phase is reachable now, 1 when not."""
+    from kdctl.readiness import assess
+    from kdctl.report import parse_formats, render_reports
+
+    chosen = parse_formats(formats)
+    inv = _load(inventory, state_dir)
+    with _store_for(inv) as store:
+        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate)
+        written = render_reports(found, store, chosen, output, inventory=str(inv.path))
+    reachable = found.phases is not None and found.phases.target_reachable
+    if json_:
+        _print_json(
+            {
+                "files": [str(p) for p in written],
+                "target_reachable": reachable,
+                "answers": found.answers.model_dump(mode="json"),
+            }
+        )
+    else:
+        for line in found.answers.lines():
+            out.print(line, markup=False)
+        for path in written:
+            out.print(f"wrote {path}", markup=False)
+    if not reachable:
+        raise typer.Exit(1)
+
+
 @inventory_app.command("check")
 def inventory_check(
     inventory: InventoryOpt = None, state_dir: StateDirOpt = None, json_: JsonOpt = False

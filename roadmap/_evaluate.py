@@ -61,6 +61,8 @@ class CriterionStatus(BaseModel):
     window_s: float
     identity: Literal["live", "declared"] = "declared"
     values: list[Measured] = []
+    # The judging result's own reasons, when it did not pass.
+    findings: list[str] = []
 
 
 class PhaseStatus(BaseModel):
@@ -282,7 +284,8 @@ def _criterion(
             **base, **evidence, values=values, met=False, state="stale", reason=why
         )
     if evidence["verdict"] != "pass":
-        first = next(iter(result.reasons), "")
+        # The summary and the first concrete finding (a divergence, a broken SLO).
+        said = "; ".join(result.reasons[:2])
         return CriterionStatus(
             **base,
             **evidence,
@@ -290,7 +293,8 @@ def _criterion(
             met=False,
             state="fail",
             reason=f"{evidence['verdict']} {age_text(now - result.ended_at)} ago"
-            + (f": {first}" if first else ""),
+            + (f": {said}" if said else ""),
+            findings=result.reasons[:20],
         )
     if broken:
         return CriterionStatus(

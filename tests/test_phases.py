@@ -1,0 +1,348 @@
+"""Roadmaps and phases over evidence made by running real gates against reference servers; the
+three answers; the reports (JUnit read by a JUnit parser, HTML rendered by headless Chromium)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, Served, _need, kdctl, write_inventory
+
+pytest.importorskip("torch")
+KEY = "sk-test-7f1e"
+ENV = {"KDCTL_TEST_INT4_KEY": KEY}
+
+ROADMAP = {
+    "title": "Test <b>roadmap</b>: candidate replaces baseline",
+    "serving": "baseline",
+    "candidate": "candidate",
+    "target": "cutover",
+    "phases": [
+        {
+            "id": "serving",
+            "title": "Serves SGLang's API",
+            "criteria": [{"gate": "health"}, {"gate": "api-conformance"}],
+        },
+        {
+            "id": "exact",
+            "title": "Greedy-exact",
+            "depends_on": ["serving"],
+            "criteria": [
+                {
+                    "gate": "exactness",
+                    "settings": {"mode": "strict"},
+                    "require": {"match_rate": ">= 1.0"},
+                }
+            ],
+        },
+        {
+            "id": "throughput",
+            "title": "Throughput",
+            "depends_on": ["serving"],
+            "criteria": [
+                {"gate": "throughput", "require": {"*.ratio": ">= 0.2", "*.failed": "== 0"}}
+            ],
+        },
+        {
+            "id": "cutover",
+            "title": "Cutover",
+            "depends_on": ["exact", "throughput"],
+            "criteria": [{"name": "soak", "gate": "sign-off"}],
+        },
+    ],
+}
+
+
+@pytest.fixture
+def setup(tmp_path: Path, reference_server: Served, twin_server: Served, keyed_server: Served):  # type: ignore[no-untyped-def]
+    corpus = tmp_path / "corpus.jsonl"
+    # The shipped sandbox corpus, with markup in one prompt's id for the reports to escape.
+    shipped = (REPO / "roadmap" / "prompts" / "sandbox.jsonl").read_text()
+    marked = json.dumps({"id": "<script>alert(1)</script>", "prompt": "def fibonacci(n):"})
+    corpus.write_text(marked + "\n" + shipped)
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+
+    def make(**gates: Any) -> Path:
+        return write_inventory(
+            tmp_path / "inv.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": {
+                    "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
+                    "candidate": {
+                        "kind": "native",
+                        "mode": "http",
+                        "host": "local",
+                        "url": twin_server.url,
+                    },
+                    "candidate-int4": {
+                        "kind": "native",
+                        "mode": "http",
+                        "host": "local",
+                        "url": keyed_server.url,
+                        "api_key_env": "KDCTL_TEST_INT4_KEY",
+                    },
+                },
+                "router": {
+                    "kind": "nginx",
+                    "host": "local",
+                    "listen": "127.0.0.1:8000",
+                    "serving": "baseline",
+                },
+                "gates": {
+                    "exactness": {"corpus": str(corpus), "max_new_tokens": 12, "top_k": 5},
+                    "throughput": {
+                        "workload": {
+                            "input_len": 16,
+                            "output_len": 6,
+                            "concurrency": [2],
+                            "num_prompts": 4,
+                        },
+                        "min_ratio": 0.2,
+                    },
+                    **gates,
+                },
+                "roadmap": "roadmap.yaml",
+                "state_dir": "state",
+            },
+        )
+
+    return make
+
+
+def phases(inv: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    run = kdctl("phases", "-i", str(inv), "--json", *extra, env=ENV)
+    assert run.code in (0, 1), run.out + run.err
+    return run.code, json.loads(run.out)
+
+
+def statuses(doc: dict[str, Any]) -> dict[str, str]:
+    return {p["id"]: p["status"] for p in doc["phases"]}
+
+
+def test_phases_follow_evidence_from_real_gates(setup: Any, tmp_path: Path) -> None:
+    inv = setup()
+    code, doc = phases(inv)
+    assert code == 1
+    assert statuses(doc) == {
+        "serving": "remaining",
+        "exact": "blocked",
+        "throughput": "blocked",
+        "cutover": "blocked",
+    }
+    assert all(c["state"] == "missing" for p in doc["phases"] for c in p["criteria"])
+    assert doc["answers"]["serving"]["speed_optimized"] == "unmeasured"
+
+    assert kdctl("baseline", "record", "--backend", "baseline", "-i", str(inv), env=ENV).code == 0
+    code, doc = phases(inv, "--run")
+    assert statuses(doc) == {
+        "serving": "done",
+        "exact": "done",
+        "throughput": "done",
+        "cutover": "remaining",
+    }
+    # The cutover's own criterion (the soak) comes after the switch; its prerequisites decide.
+    assert code == 0 and doc["target_reachable"] and doc["answers"]["cutover"]["can_cut_over"]
+    exact = doc["phases"][1]["criteria"][0]
+    assert exact["values"][0] == {
+        "metric": "match_rate",
+        "value": 1.0,
+        "threshold": ">= 1.0",
+        "ok": True,
+    }
+    assert exact["identity"] == "live" and exact["age_s"] < 600
+
+    # The same criteria judge another candidate: INT4 weights break strict exactness.
+    code, doc = phases(inv, "--candidate", "candidate-int4", "--run")
+    assert code == 1 and statuses(doc)["exact"] == "remaining"
+    blocking = doc["answers"]["cutover"]["blocking"]
+    assert any(b.startswith("exact/exactness:candidate-int4: fail") for b in blocking), blocking
+
+    # A logprob-close result does not satisfy a criterion that pins strict.
+    assert (
+        kdctl(
+            "gate",
+            "run",
+            "exactness",
+            "-b",
+            "candidate",
+            "--baseline",
+            "baseline",
+            "-i",
+            str(
+                setup(
+                    exactness={
+                        "corpus": str(tmp_path / "corpus.jsonl"),
+                        "max_new_tokens": 12,
+                        "mode": "logprob-close",
+                    }
+                )
+            ),
+            env=ENV,
+        ).code
+        == 0
+    )
+    code, doc = phases(inv)
+    assert statuses(doc)["exact"] == "done", "an older strict pass still stands"
+
+    # Stale evidence counts as missing: health's window cut to 1s flips the first phase back.
+    short = setup(freshness={"health": "1s"})
+    time.sleep(1.5)
+    code, doc = phases(short)
+    assert code == 1 and statuses(doc)["serving"] == "in_progress"
+    health = doc["phases"][0]["criteria"][0]
+    assert health["state"] == "stale" and health["reason"].startswith("stale: ")
+    assert doc["answers"]["cutover"]["blocking"][0].startswith("serving/health:candidate: stale")
+
+
+def test_a_newer_failure_undoes_a_pass(setup: Any, tmp_path: Path) -> None:
+    inv = setup()
+    assert kdctl("gate", "run", "health", "-b", "candidate", "-i", str(inv), env=ENV).code == 0
+    _, doc = phases(inv)
+    assert doc["phases"][0]["criteria"][0]["state"] == "pass"
+    # The same name now points at a server that is not there: its health fails.
+    data = yaml.safe_load(inv.read_text())
+    data["backends"]["candidate"]["url"] = "http://127.0.0.1:9"
+    down = write_inventory(tmp_path / "down.yaml", data)
+    assert kdctl("gate", "run", "health", "-b", "candidate", "-i", str(down), env=ENV).code != 0
+    _, doc = phases(inv)
+    assert doc["phases"][0]["criteria"][0]["state"] == "fail"
+
+
+def test_report_formats_junit_and_html_in_chromium(setup: Any, tmp_path: Path) -> None:
+    from junitparser import Failure, JUnitXml
+
+    inv = setup()
+    assert kdctl("baseline", "record", "--backend", "baseline", "-i", str(inv), env=ENV).code == 0
+    phases(inv, "--candidate", "candidate-int4", "--run")
+    phases(inv, "--run")
+    out = tmp_path / "report"
+    run = kdctl("report", "-i", str(inv), "-o", str(out), "--candidate", "candidate-int4", env=ENV)
+    assert run.code == 1, run.out + run.err
+    assert "Cut over to candidate-int4 now: no" in run.out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "report.html",
+        "report.json",
+        "report.junit.xml",
+        "report.md",
+    ]
+    doc = json.loads((out / "report.json").read_text())
+    unmet = [c for p in doc["phases"]["phases"] for c in p["criteria"] if not c["met"]]
+    xml = JUnitXml.fromfile(str(out / "report.junit.xml"))
+    cases = [case for suite in xml for case in suite]
+    failed = [case for case in cases if any(isinstance(r, Failure) for r in case.result)]
+    assert len(cases) == 5 and len(failed) == len(unmet) >= 2
+    assert {c.name for c in failed} == {c["name"] for c in unmet}
+    exact = next(c for c in failed if c.name == "exactness:candidate-int4")
+    assert exact.result[0].type == "fail" and "first divergence" in exact.result[0].message
+
+    # Markup in the roadmap's title and in a prompt id is shown as text, never rendered.
+    html = (out / "report.html").read_text()
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script" in html
+    assert "Test &lt;b&gt;roadmap&lt;/b&gt;" in html and "<b>roadmap" not in html
+    assert "http://" not in html.replace("http://127.0.0.1", "") and "<link" not in html
+    md = (out / "report.md").read_text()
+    assert "&lt;b&gt;roadmap&lt;/b&gt;" in md and "<b>" not in md
+    assert "<svg" in html and html.count("<svg") >= 4  # progress, throughput x3, exactness
+
+    _need("/usr/bin/chromium", "Chromium (apt-get install chromium)")
+    shot = tmp_path / "report.png"
+    profile = tmp_path / "chromium-profile"
+    subprocess.run(
+        [
+            shutil.which("chromium") or "/usr/bin/chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--window-size=1200,2400",
+            f"--screenshot={shot}",
+            (out / "report.html").as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        assert img.size == (1200, 2400)
+        rgb = img.convert("RGB")
+        colors = rgb.getcolors(maxcolors=1 << 20) or []
+        # A blank page is one colour; the charts bring their greens, reds and blues.
+        assert len(colors) > 50
+        drawn = [rgb_ for _, rgb_ in colors]
+        assert any(r < 80 and g > 120 and b < 110 for r, g, b in drawn), "no green bar drawn"
+        assert any(r > 170 and g < 90 and b < 80 for r, g, b in drawn), "no red mark drawn"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda r: r["phases"][1]["criteria"][0].update(gate="exactnes"),
+            "unknown gate 'exactnes'",
+        ),
+        (
+            lambda r: r["phases"][2]["criteria"][0].update(backend="ghost"),
+            "unknown backend 'ghost'",
+        ),
+        (lambda r: r["phases"][1].update(depends_on=["servng"]), "unknown phase 'servng'"),
+        (
+            lambda r: r["phases"][0].update(depends_on=["cutover"]),
+            "dependency cycle: serving -> cutover -> exact -> serving",
+        ),
+        (lambda r: r["phases"][1].update(id="serving"), "phase 'serving' is defined twice"),
+        (
+            lambda r: r["phases"][1]["criteria"][0]["settings"].update(mode="exact"),
+            "settings.mode: must be one of 'strict' or 'logprob-close' (got 'exact')",
+        ),
+        (
+            lambda r: r["phases"][1]["criteria"][0]["require"].update(match_rate="at least 1"),
+            "'at least 1' is not a threshold",
+        ),
+        (
+            lambda r: r["phases"][3]["criteria"][0].update(baseline="baseline"),
+            "compares with no baseline",
+        ),
+        (lambda r: r.update(target="done"), "unknown phase 'done'"),
+        (lambda r: r["phases"][0].update(criterias=[]), "unknown field; did you mean 'criteria'?"),
+    ],
+)
+def test_malformed_roadmaps_are_refused_with_file_and_line(
+    tmp_path: Path, change: Any, message: str
+) -> None:
+    roadmap = json.loads(json.dumps(ROADMAP))
+    change(roadmap)
+    path = tmp_path / "roadmap.yaml"
+    path.write_text(yaml.safe_dump(roadmap, sort_keys=False))
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "baseline": {"kind": "sglang", "host": "local", "url": "http://127.0.0.1:9"},
+                "candidate": {"kind": "sglang", "host": "local", "url": "http://127.0.0.1:10"},
+            },
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    run = kdctl("phases", "-i", str(inv))
+    assert run.code == 2, run.out + run.err
+    assert "Traceback" not in run.err
+    first = run.err.splitlines()[0]
+    assert first.startswith(f"{path}:") and first.split(":")[1].isdigit(), first
+    assert message in run.err, run.err

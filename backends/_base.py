@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -53,6 +54,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, req: GenerateRequest) -> GenerateResult: ...
+
+    def generate_batch(
+        self, reqs: Sequence[GenerateRequest], *, concurrency: int = 4
+    ) -> list[GenerateResult]:
+        """Many generations, results in request order. Served engines take them as
+        concurrent requests; an engine run per batch (native command mode) takes them at once."""
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            return list(pool.map(self.generate, reqs))
 
     def stream(self, req: GenerateRequest) -> Iterator[StreamChunk]:
         """Stream a generation; engines without streaming yield the whole result as one chunk."""

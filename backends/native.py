@@ -11,6 +11,7 @@ import json
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -115,14 +116,24 @@ class NativeCommandBackend(Backend):
         return response
 
     def generate(self, req: GenerateRequest) -> GenerateResult:
-        (result,) = self.run_batch([req]).results
-        if result.error is not None:
-            raise BackendHTTPError(
-                self.name, self.where, 400, f"{result.error.type}: {result.error.message}"
-            )
-        fields = result.model_dump(exclude={"id", "error"})
-        fields["finish_reason"] = result.finish_reason or "length"
-        return GenerateResult.model_validate(fields)
+        (result,) = self.generate_batch([req])
+        return result
+
+    def generate_batch(
+        self, reqs: Sequence[GenerateRequest], *, concurrency: int = 4
+    ) -> list[GenerateResult]:
+        """One run of the binary for the whole batch: its start (weights loaded, kernels
+        built) costs more than the requests, and batching is what the contract is for."""
+        out = []
+        for result in self.run_batch(list(reqs)).results:
+            if result.error is not None:
+                raise BackendHTTPError(
+                    self.name, self.where, 400, f"{result.error.type}: {result.error.message}"
+                )
+            fields = result.model_dump(exclude={"id", "error"})
+            fields["finish_reason"] = result.finish_reason or "length"
+            out.append(GenerateResult.model_validate(fields))
+        return out
 
     def info(self) -> EngineInfo:
         return self.run_batch([]).engine

@@ -9,7 +9,6 @@ ends there; elsewhere a divergence fails the prompt.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -93,26 +92,27 @@ def generate_outputs(
 ) -> list[dict[str, Any]]:
     """Greedy outputs with top-k logprobs, the same fixed length for every prompt."""
 
-    def one(item: dict[str, Any]) -> dict[str, Any]:
-        result = be.generate(
-            GenerateRequest(
-                text=item.get("prompt"),
-                input_ids=item.get("input_ids"),
-                max_new_tokens=settings.max_new_tokens,
-                temperature=0.0,
-                ignore_eos=True,
-                top_logprobs=settings.top_k,
-            )
+    reqs = [
+        GenerateRequest(
+            text=item.get("prompt"),
+            input_ids=item.get("input_ids"),
+            max_new_tokens=settings.max_new_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            top_logprobs=settings.top_k,
         )
-        return {
+        for item in corpus
+    ]
+    results = be.generate_batch(reqs, concurrency=settings.concurrency)
+    return [
+        {
             "id": item["id"],
             "output_ids": result.output_ids,
             "logprobs": [t.logprob for t in result.logprobs],
             "top": [[list(p) for p in t.top] for t in result.logprobs],
         }
-
-    with ThreadPoolExecutor(settings.concurrency) as pool:
-        return list(pool.map(one, corpus))
+        for item, result in zip(corpus, results, strict=True)
+    ]
 
 
 def compare_prompt(cand: dict[str, Any], base: dict[str, Any], mode: str) -> dict[str, Any]:

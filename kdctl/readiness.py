@@ -25,7 +25,6 @@ from kdctl.gating import Identity, identify_backends, run_gates
 from kdctl.inventory import LoadedInventory
 from kdctl.roadmap import (
     PhaseReport,
-    criterion_backends,
     evaluate,
     load_roadmap,
     roadmap_path,
@@ -109,12 +108,19 @@ def assess(
     if candidate is not None and candidate not in inv.backends:
         known = ", ".join(sorted(inv.backends))
         raise InputError(f"unknown backend {candidate!r} (known: {known})")
-    wanted = set(criterion_backends(loaded, candidate)) if loaded else set()
-    if serving:
-        wanted.add(serving)
-    identities = identify_backends(inv, wanted, timeout_s=timeout_s)
+    identities: dict[str, Identity] = {}
+
+    def identify(names: set[str]) -> dict[str, Identity]:
+        # One round of questions per assessment; an engine with no evidence is not asked.
+        missing = names - identities.keys()
+        if missing:
+            identities.update(identify_backends(inv, missing, timeout_s=timeout_s))
+        return {n: identities[n] for n in names}
+
+    if serving and store.latest("throughput", serving) is not None:
+        identify({serving})
     report = (
-        evaluate(loaded, inv, store, identities, target=target, candidate=candidate, now=now)
+        evaluate(loaded, inv, store, identify, target=target, candidate=candidate, now=now)
         if loaded
         else None
     )
@@ -147,7 +153,9 @@ def _serving(
         return ServingAnswer(
             **base, speed_optimized="unmeasured", detail="no throughput result on record"
         )
-    ident = identities[serving]
+    ident = identities.get(serving)
+    if ident is None:
+        return ServingAnswer(**base, speed_optimized="unmeasured", detail="identity unknown")
     f = freshness(
         latest,
         window=freshness_window(inv, "throughput"),

@@ -7,7 +7,6 @@ from kdctl.roadmap._evaluate import (
     Measured,
     PhaseReport,
     PhaseStatus,
-    criterion_backends,
     evaluate,
     pinned_settings,
 )
@@ -24,7 +23,6 @@ __all__ = [
     "ResolvedCriterion",
     "Roadmap",
     "RoadmapSpec",
-    "criterion_backends",
     "evaluate",
     "load_roadmap",
     "pinned_settings",

@@ -7,7 +7,7 @@ settings it pins), and only while that result is fresh. A newer failure undoes a
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Literal
 
@@ -98,18 +98,29 @@ def evaluate(
     roadmap: Roadmap,
     inv: LoadedInventory,
     store: EvidenceStore,
-    identities: Mapping[str, Identity],
+    identify: Callable[[set[str]], Mapping[str, Identity]],
     *,
     target: str | None = None,
     candidate: str | None = None,
     now: datetime | None = None,
 ) -> PhaseReport:
+    """`identify` asks backends what they serve; it is called once, for the backends that have
+    evidence to hold against them (asking an engine in command mode runs its binary)."""
     now = now or utcnow()
     target = target or roadmap.target
     roadmap.phase(target)
+    resolved = roadmap.criteria(candidate)
+    found = {
+        (c.phase, c.name): _newest_match(c, inv, store) for cs in resolved.values() for c in cs
+    }
+    identities = identify(
+        {c.backend for cs in resolved.values() for c in cs if found[(c.phase, c.name)]}
+    )
     criteria: dict[str, list[CriterionStatus]] = {
-        phase_id: [_criterion(c, inv, store, identities, now) for c in resolved]
-        for phase_id, resolved in roadmap.criteria(candidate).items()
+        phase_id: [
+            _criterion(c, inv, found[(c.phase, c.name)], identities.get(c.backend), now) for c in cs
+        ]
+        for phase_id, cs in resolved.items()
     }
     done = {pid for pid, cs in criteria.items() if all(c.met for c in cs)}
     phases = []
@@ -153,11 +164,6 @@ def evaluate(
         blocking=blocking,
         notes=notes,
     )
-
-
-def criterion_backends(roadmap: Roadmap, candidate: str | None = None) -> set[str]:
-    """Every backend whose identity the evaluation needs."""
-    return {c.backend for cs in roadmap.criteria(candidate).values() for c in cs}
 
 
 def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any]:
@@ -230,20 +236,25 @@ def _require(c: ResolvedCriterion, result: GateResult) -> tuple[list[Measured], 
     return values, broken
 
 
-def _criterion(
-    c: ResolvedCriterion,
-    inv: LoadedInventory,
-    store: EvidenceStore,
-    identities: Mapping[str, Identity],
-    now: datetime,
-) -> CriterionStatus:
-    window = parse_duration(c.spec.freshness) if c.spec.freshness else freshness_window(inv, c.gate)
+def _newest_match(
+    c: ResolvedCriterion, inv: LoadedInventory, store: EvidenceStore
+) -> GateResult | None:
     pinned = pinned_settings(c, inv)
-    result = next(
+    return next(
         (r for r in store.results(gate=c.gate, backend=c.backend) if _matches(c, r, pinned)),
         None,
     )
-    identity = identities.get(c.backend)
+
+
+def _criterion(
+    c: ResolvedCriterion,
+    inv: LoadedInventory,
+    result: GateResult | None,
+    identity: Identity | None,
+    now: datetime,
+) -> CriterionStatus:
+    window = parse_duration(c.spec.freshness) if c.spec.freshness else freshness_window(inv, c.gate)
+    pinned = c.spec.settings
     base: dict[str, Any] = {
         "name": c.name,
         "phase": c.phase,

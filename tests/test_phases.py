@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -117,8 +118,8 @@ def setup(tmp_path: Path, reference_server: Served, twin_server: Served, keyed_s
     return make
 
 
-def phases(inv: Path, *extra: str) -> tuple[int, dict[str, Any]]:
-    run = kdctl("phases", "-i", str(inv), "--json", *extra, env=ENV)
+def phases(inv: Path, *extra: str, env: dict[str, str] = ENV) -> tuple[int, dict[str, Any]]:
+    run = kdctl("phases", "-i", str(inv), "--json", *extra, env=env)
     assert run.code in (0, 1), run.out + run.err
     return run.code, json.loads(run.out)
 
@@ -346,3 +347,116 @@ def test_malformed_roadmaps_are_refused_with_file_and_line(
     first = run.err.splitlines()[0]
     assert first.startswith(f"{path}:") and first.split(":")[1].isdigit(), first
     assert message in run.err, run.err
+
+
+def _ct200_on_loopback(
+    tmp_path: Path, models: dict[str, Path], sglang: Served, native: Served
+) -> Path:
+    """examples/ct200-8gpu.yaml with only the ways to reach things changed: the host `ct200`
+    is this machine, the engines are reference servers on loopback, and the command-mode
+    engines are `kdctl reference batch` on the tiny models. Names, GPUs, TP and settings stay,
+    so the roadmap's criteria are judged as they would be on the box."""
+    data = yaml.safe_load((REPO / "examples" / "ct200-8gpu.yaml").read_text())
+    data["hosts"]["ct200"] = {"transport": "local", "gpus": 8, "gpu_model": "NVIDIA H200"}
+    be = data["backends"]
+    be["sglang"].update(url=sglang.url, model=str(sglang.model))
+    be["native"].update(url=native.url, model=str(native.model))
+    for name, model in (
+        ("native-tiny", models["dsv3"]),
+        ("reference-tiny", models["dsv3"]),
+        ("native-tiny-int4", models["dsv3-int4"]),
+        ("reference-tiny-int4", models["dsv3-int4"]),
+        ("native-small-tp1", models["dsv3"]),
+        ("native-small-tp8", models["dsv3"]),
+    ):
+        be[name].update(
+            command=[sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(model)],
+            model=str(model),
+        )
+    data["roadmap"] = "kimi-k26-native.yaml"
+    data["state_dir"] = "state"
+    data["gates"]["throughput"]["workload"] = {
+        "input_len": 16,
+        "output_len": 6,
+        "concurrency": [2],
+        "num_prompts": 4,
+    }
+    data["gates"]["exactness"]["max_new_tokens"] = 8
+    return write_inventory(tmp_path / "ct200-loopback.yaml", data)
+
+
+def test_ct200_roadmap_with_imported_evidence(
+    tmp_path: Path, models: dict[str, Path], reference_server: Served, twin_server: Served
+) -> None:
+    env = {"SGLANG_API_KEY": "sk-sglang-test", "NATIVE_API_KEY": "sk-native-test"}
+    twin = _ct200_on_loopback(tmp_path, models, reference_server, twin_server)
+    assert kdctl("baseline", "record", "-b", "sglang", "-i", str(twin), env=env).code == 0
+    # The phases this machine can decide: tiny configs in command mode, the HTTP API, and
+    # production exactness against the recorded SGLang golden outputs.
+    only = ("native-core", "http-server", "production-exactness")
+    ran = kdctl(
+        "phases", "--run", *(f"--phase={p}" for p in only), "-i", str(twin), "--json", env=env
+    )
+    assert ran.code == 1, ran.out + ran.err  # the cutover stays out of reach
+    exported = tmp_path / "ct200-evidence.json"
+    assert kdctl("evidence", "export", "-i", str(twin), "-o", str(exported), env=env).code == 0
+
+    # Carried to another machine: a fresh state directory, the same roadmap and names.
+    fresh = tmp_path / "elsewhere"
+    imported = kdctl(
+        "evidence", "import", str(exported), "-i", str(twin), "--state-dir", str(fresh), env=env
+    )
+    assert imported.code == 0, imported.err
+    code, doc = phases(twin, "--state-dir", str(fresh), env=env)
+    got = statuses(doc)
+    assert code == 1
+    # core-tests and the Marlin kernel benchmark are the engine's own programs: not run here.
+    assert got["native-core"] == "in_progress" and got["int4-w4a16"] == "blocked"
+    assert got["marlin-kernel"] == "blocked" and got["k26-loader"] == "blocked"
+    assert got["http-server"] == "done" and got["production-exactness"] == "done"
+    assert got["tp8"] == "blocked" and got["throughput-parity"] == "blocked"
+    assert got["cutover"] == "blocked"
+    criteria = {c["name"]: c for p in doc["phases"] for c in p["criteria"]}
+    assert criteria["core-exact"]["state"] == "pass"
+    # The engine's test suite is not installed on this machine: the command gate says so.
+    tests = criteria["command:core-tests"]
+    assert tests["state"] == "fail" and "kdtree-tests" in tests["reason"], tests
+    # A logprob-close criterion is not met by the strict results the early phases recorded.
+    assert criteria["exactness:native"]["settings"]["mode"] == "logprob-close"
+    answers = doc["answers"]
+    assert answers["cutover"]["can_cut_over"] is False
+    blocked = " ".join(answers["cutover"]["blocking"])
+    assert "native-core/command:core-tests: fail" in blocked
+    assert "throughput-parity/throughput:native" in blocked
+
+    # The shipped example itself, whose box cannot be reached from here: the imported results
+    # were measured on another deployment, so none of them counts, and each says why.
+    ex = kdctl(
+        "phases",
+        "-i",
+        str(REPO / "examples" / "ct200-8gpu.yaml"),
+        "--state-dir",
+        str(fresh),
+        "--json",
+        env=env,
+    )
+    assert ex.code == 1, ex.out + ex.err
+    doc = json.loads(ex.out)
+    assert all(p["status"] in ("remaining", "blocked") for p in doc["phases"])
+    core = next(c for p in doc["phases"] for c in p["criteria"] if c["name"] == "core-exact")
+    assert core["state"] == "stale" and "deployment changed: model_path" in core["reason"]
+    assert core["identity"] == "declared"
+    assert any("native-tiny did not say what it serves" in n for n in doc["notes"])
+    status = kdctl(
+        "status",
+        "-i",
+        str(REPO / "examples" / "ct200-8gpu.yaml"),
+        "--state-dir",
+        str(fresh),
+        "--timeout",
+        "5",
+        env=env,
+    )
+    assert status.code == 3  # ct200 is unreachable from here
+    assert "1. Serving now: sglang at weight 100; speed-optimized: unmeasured" in status.out
+    assert "Cut over to native now: no; blocked by native-core/core-exact: stale" in status.out

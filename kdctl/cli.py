@@ -98,7 +98,7 @@ def status(
     ] = 20.0,
 ) -> None:
     """Hosts, GPUs and backends as live probes see them. Exit 3 when a host is unreachable."""
-    from kdctl.readiness import assess
+    from kdctl.readiness import assess, latest_verdicts
     from kdctl.render import status_tables
     from kdctl.status import collect_status
 
@@ -106,6 +106,7 @@ def status(
     report = collect_status(inv, deadline_s=timeout)
     with _store_for(inv) as store:
         report.answers = assess(inv, store, timeout_s=min(timeout, 15.0)).answers
+        report.gates = latest_verdicts(inv, store)
     if json_:
         _print_json(report)
     else:

@@ -16,7 +16,13 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks._gate import ProgressHook, freshness_window, gate_class, with_settings
+from kdctl.checks._gate import (
+    ProgressHook,
+    freshness_window,
+    gate_class,
+    gates,
+    with_settings,
+)
 from kdctl.checks.result import GateResult, utcnow
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore, freshness
@@ -42,6 +48,41 @@ class ServingAnswer(BaseModel):
     speed_optimized: Speed
     detail: str
     evidence_id: str | None = None
+
+
+class LatestVerdict(BaseModel):
+    gate: str
+    backend: str
+    baseline: str | None
+    verdict: str
+    ended_at: datetime
+    age: str
+    evidence_id: str
+
+
+def latest_verdicts(
+    inv: LoadedInventory, store: EvidenceStore, now: datetime | None = None
+) -> list[LatestVerdict]:
+    """The newest result of every gate for every backend, with its age: what `status` lists
+    beside the live probes (freshness is the roadmap's business, not this table's)."""
+    now = now or utcnow()
+    found = []
+    for backend in inv.backends:
+        for gate in sorted(gates()):
+            r = store.latest(gate, backend)
+            if r is not None:
+                found.append(
+                    LatestVerdict(
+                        gate=gate,
+                        backend=backend,
+                        baseline=r.baseline,
+                        verdict=r.verdict,
+                        ended_at=r.ended_at,
+                        age=age_text(now - r.ended_at),
+                        evidence_id=r.id,
+                    )
+                )
+    return found
 
 
 class CutoverAnswer(BaseModel):
@@ -124,14 +165,20 @@ def assess(
         if loaded
         else None
     )
+    blocking = [f"{c.phase}/{c.name}: {c.reason}" for c in report.blocking] if report else []
+    if report is not None:
+        # Traffic cannot move to an engine that does not answer, whatever its evidence says.
+        cand = identify({report.candidate})[report.candidate]
+        if not cand.live:
+            blocking.append(f"{report.candidate} is not answering: {cand.note}")
     answers = Answers(
         serving=_serving(inv, store, serving, identities, now),
         remaining_phases=[f"{p.id} ({p.status})" for p in report.remaining] if report else [],
         cutover=CutoverAnswer(
             candidate=report.candidate if report else candidate,
             target=report.target if report else None,
-            can_cut_over=report.target_reachable if report else None,
-            blocking=[f"{c.phase}/{c.name}: {c.reason}" for c in report.blocking] if report else [],
+            can_cut_over=not blocking if report else None,
+            blocking=blocking,
         ),
     )
     return Readiness(answers=answers, phases=report, identities=identities)

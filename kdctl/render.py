@@ -106,9 +106,24 @@ def status_tables(report: StatusReport) -> Group:
         )
     else:
         traffic = Text("Traffic: no router in the inventory")
-    if report.answers is None:
-        return Group(hosts, backends, traffic)
-    return Group(answers_text(report.answers), hosts, backends, traffic)
+    parts: list[Table | Text] = [hosts, backends, traffic]
+    if report.gates:
+        verdicts = Table(title="Latest gate verdicts", title_justify="left")
+        for col in ("backend", "gate", "baseline", "verdict", "age", "evidence"):
+            verdicts.add_column(col)
+        for v in report.gates:
+            verdicts.add_row(
+                _t(v.backend),
+                _t(v.gate),
+                _t(v.baseline),
+                Text(v.verdict, _VERDICT_STYLE.get(v.verdict, "")),
+                v.age,
+                v.evidence_id[:12],
+            )
+        parts.append(verdicts)
+    if report.answers is not None:
+        parts.insert(0, answers_text(report.answers))
+    return Group(*parts)
 
 
 def inventory_summary(inv: LoadedInventory) -> Group:

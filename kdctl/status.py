@@ -21,7 +21,7 @@ from kdctl.probes import (
     probe_service,
     probe_xids,
 )
-from kdctl.readiness import Answers
+from kdctl.readiness import Answers, LatestVerdict
 from kdctl.transports import TransportPool, fan_out
 
 
@@ -71,8 +71,9 @@ class StatusReport(BaseModel):
     hosts: list[HostStatus]
     backends: list[BackendStatus]
     traffic: TrafficStatus
-    # The three answers, when the evidence store could be read.
+    # The three answers, and the newest verdict of every gate for every backend.
     answers: Answers | None = None
+    gates: list[LatestVerdict] = []
 
     @property
     def unreachable(self) -> list[str]:

@@ -38,7 +38,9 @@ class Run:
     err: str
 
 
-def kdctl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Run:
+def kdctl(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> Run:
     """Run the real CLI in a new process, as a user would."""
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("COLUMNS", "200")
@@ -48,7 +50,7 @@ def kdctl(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None
         text=True,
         env=full_env,
         cwd=cwd,
-        timeout=120,
+        timeout=timeout,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr)
 

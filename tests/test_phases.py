@@ -395,7 +395,14 @@ def test_ct200_roadmap_with_imported_evidence(
     # production exactness against the recorded SGLang golden outputs.
     only = ("native-core", "http-server", "production-exactness")
     ran = kdctl(
-        "phases", "--run", *(f"--phase={p}" for p in only), "-i", str(twin), "--json", env=env
+        "phases",
+        "--run",
+        *(f"--phase={p}" for p in only),
+        "-i",
+        str(twin),
+        "--json",
+        env=env,
+        timeout=400,
     )
     assert ran.code == 1, ran.out + ran.err  # the cutover stays out of reach
     exported = tmp_path / "ct200-evidence.json"

@@ -6,7 +6,11 @@ so it imports nothing from kdctl. Rank 0 prints one line, `KDCTL_ALLREDUCE {json
 Correctness is exact: each rank contributes small integers in float32, whose sum is exactly
 representable, and every element is compared with the closed form. Timing follows nccl-tests'
 blocking mode: one all_reduce at a time, synchronised, the slowest rank's mean time counted;
-busbw = algbw * 2(n-1)/n.
+busbw = algbw * 2(n-1)/n. On GPUs each all_reduce is timed by CUDA events on its stream, as
+nccl-tests times it: a host clock around it also counts the synchronisation, 19-32 us more on an
+H200 with one rank (docs/gpu-validation.md), against a small-message budget of about 30 us.
+`wall_us` keeps the host-clock figure beside it. Events still count a launch the idle GPU waits
+for: torch's one-rank no-op took 27-57 us by them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# NCCL_* variables that NCCL does not read: NVIDIA's CUDA images set NCCL_VERSION as a label
+# (2.28.3-1 on the H200 machine, whose torch loaded NCCL 2.28.9), not a setting in force.
+NOT_SETTINGS = {"NCCL_VERSION"}
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -28,7 +36,7 @@ def _sync(device: torch.device) -> None:
 
 def _point(
     nbytes: int, device: torch.device, world: int, rank: int, iters: int, warmup: int
-) -> dict[str, float | int]:
+) -> dict[str, float | int | str]:
     n = max(1, nbytes // 4)
     pattern = torch.arange(n, device=device, dtype=torch.int64) % 7
     data = (pattern + rank).to(torch.float32)
@@ -39,21 +47,35 @@ def _point(
     for _ in range(warmup):
         dist.all_reduce(buf)
     _sync(device)
-    times = []
+    cuda = device.type == "cuda"
+    times, walls = [], []
     for _ in range(iters):
         _sync(device)
         start = time.perf_counter()
-        dist.all_reduce(buf)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    mean = torch.tensor([sum(times) / len(times)], device=device, dtype=torch.float64)
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dist.all_reduce(buf)
+            end.record()
+            end.synchronize()
+            walls.append(time.perf_counter() - start)
+            times.append(begin.elapsed_time(end) / 1e3)  # milliseconds
+        else:
+            dist.all_reduce(buf)
+            walls.append(time.perf_counter() - start)
+            times.append(walls[-1])
+    mean = torch.tensor(
+        [sum(times) / len(times), sum(walls) / len(walls)], device=device, dtype=torch.float64
+    )
     dist.all_reduce(mean, op=dist.ReduceOp.MAX)
     dist.all_reduce(wrong)
-    seconds = float(mean.item())
+    seconds, wall = (float(x) for x in mean.tolist())
     algbw = n * 4 / seconds / 1e9
     return {
         "bytes": n * 4,
         "time_us": round(seconds * 1e6, 3),
+        "wall_us": round(wall * 1e6, 3),
+        "timer": "cuda-events" if cuda else "wall-clock",
         "algbw_gbps": round(algbw, 3),
         "busbw_gbps": round(algbw * 2 * (world - 1) / world, 3),
         "wrong": int(wrong.item()),
@@ -97,7 +119,11 @@ def main() -> None:
                     else "cpu",
                     "torch": torch.__version__,
                     "nccl": nccl,
-                    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+                    "env": {
+                        k: v
+                        for k, v in sorted(os.environ.items())
+                        if k.startswith("NCCL_") and k not in NOT_SETTINGS
+                    },
                     "points": points,
                 }
             ),

@@ -1,5 +1,10 @@
 """Host probes parsed against output recorded from the real nvidia-smi on an NVIDIA H200
-(driver 580.159.04); no GPU is needed here. Edited copies stand for the failures."""
+(driver 580.159.04); no GPU is needed here. Edited copies stand for the failures.
+
+h200-idle and h200-busy were captured with kdctl's own field lists (scripts/gpu-validate,
+docs/gpu-validation.md): the GPU with nothing on it, then the same GPU with the reference
+server's bf16 and fp32 engines on it answering the exactness gate, plus a timeline of samples
+every 0.5 s through that run and the throughput gate."""
 
 from __future__ import annotations
 
@@ -24,8 +29,13 @@ from kdctl.probes import (
 )
 from kdctl.probes.gpus import APP_FIELDS, CORE_GPU_FIELDS, GPU_FIELDS, NO_GPUS
 from kdctl.probes.services import parse_systemd_show
+from kdctl.probes.topology import parse_topo
 from kdctl.transports import LocalTransport
 from tests.conftest import FIXTURES, H200
+
+IDLE = FIXTURES / "nvidia-smi" / "h200-idle"
+BUSY = FIXTURES / "nvidia-smi" / "h200-busy"
+BUSY_UUID = "GPU-5f8e4153-1e95-a501-0466-2831a98f16f3"
 
 
 def test_field_names_exist_in_the_drivers_help() -> None:
@@ -90,6 +100,76 @@ def test_busy_gpu_processes_map_to_indices() -> None:
         80123,
         0,
     )
+
+
+def test_kdctls_own_query_as_the_driver_answered_it() -> None:
+    """The live captures asked for exactly GPU_FIELDS. The driver names `clocks.sm` back as
+    `clocks.current.sm` and keeps the units in the header even with `nounits`; every column
+    still lands, with units and without, and only the H200's retired-pages field is N/A."""
+    for capture in (IDLE, BUSY):
+        header = (capture / "query-gpu-nounits.csv").read_text().splitlines()[0]
+        names = [re.sub(r"\s*\[[^\]]*\]$", "", n.strip()) for n in header.split(",")]
+        assert len(names) == len(GPU_FIELDS)
+        assert "clocks.current.sm" in names and "clocks.sm" not in names
+        assert "memory.used [MiB]" in header  # units in the header of a nounits answer
+        (bare,) = parse_query_gpu((capture / "query-gpu-nounits.csv").read_text())
+        (units,) = parse_query_gpu((capture / "query-gpu.csv").read_text())
+        assert {k for k, v in bare.model_dump().items() if v is None} == {"retired_pages_pending"}
+        # Two samples a moment apart: the same GPU and settings; power and load may move.
+        steady = {"power_draw_w", "temperature_c", "utilization_pct", "memory_used_mib"}
+        assert bare.model_dump(exclude=steady) == units.model_dump(exclude=steady)
+
+
+def test_the_same_h200_idle_then_busy() -> None:
+    (idle,) = parse_query_gpu((IDLE / "query-gpu-nounits.csv").read_text())
+    (busy,) = parse_query_gpu((BUSY / "query-gpu-nounits.csv").read_text())
+    assert idle.uuid == busy.uuid == BUSY_UUID
+    assert (idle.memory_used_mib, idle.sm_clock_mhz, idle.clock_event_reasons) == (0, 345, 0x1)
+    assert idle.power_draw_w == pytest.approx(81.57)
+    # Under load the idle bit clears, and no slowdown bit takes its place.
+    assert (busy.memory_used_mib, busy.utilization_pct, busy.clock_event_reasons) == (10189, 4, 0)
+    assert busy.sm_clock_mhz == busy.sm_clock_max_mhz == 1980
+    assert busy.power_draw_w == pytest.approx(128.08) and busy.temperature_c == 42
+    assert (busy.pcie_gen_current, busy.pcie_width_current) == (5, 16)
+    assert parse_compute_apps((IDLE / "query-apps-nounits.csv").read_text(), [idle]) == []
+    procs = parse_compute_apps((BUSY / "query-apps-nounits.csv").read_text(), [busy])
+    assert [(p.pid, p.used_memory_mib, p.gpu_index) for p in procs] == [
+        (538, 3700, 0),  # the bf16 server
+        (540, 6474, 0),  # the fp32 server
+    ]
+    assert {p.process_name for p in procs} == {"/opt/torch/.venv/bin/python3"}
+    assert parse_compute_apps((BUSY / "query-apps.csv").read_text(), [busy]) == procs
+    assert sum(p.used_memory_mib or 0 for p in procs) <= (busy.memory_used_mib or 0)
+    # nvidia-smi's own table lists the same processes and memory as the CSV kdctl reads.
+    table = re.findall(
+        r"\|\s+0\s+N/A\s+N/A\s+(\d+)\s+C\s+\S+\s+(\d+)MiB", (BUSY / "nvidia-smi.txt").read_text()
+    )
+    assert [(int(pid), int(mib)) for pid, mib in table] == [(538, 3700), (540, 6474)]
+
+
+def test_busy_timeline_samples_parse_as_gpus() -> None:
+    """Every 0.5 s through the exactness and throughput gates: a timestamp column kdctl does not
+    know is skipped, and every sample shows a loaded GPU at full clock with nothing held back."""
+    samples = parse_query_gpu((BUSY / "timeline.csv").read_text())
+    assert len(samples) == 282 and {s.index for s in samples} == {0}
+    assert max(s.utilization_pct or 0 for s in samples) == 23
+    assert min(s.memory_used_mib or 0 for s in samples) >= 9985
+    assert {(s.sm_clock_mhz, s.clock_event_reasons) for s in samples} == {(1980, 0)}
+    assert {(s.pcie_gen_current, s.pcie_width_current) for s in samples} == {(5, 16)}
+
+
+def test_probe_gpus_on_the_replayed_busy_h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", f"{FIXTURES / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("KDCTL_NVSMI_FIXTURES", str(BUSY))
+    probe = probe_gpus(LocalTransport("local"))
+    assert probe.visible and probe.error is None
+    assert [(g.uuid, g.memory_used_mib) for g in probe.gpus] == [(BUSY_UUID, 10189)]
+    assert [(p.pid, p.gpu_index) for p in probe.processes] == [(538, 0), (540, 0)]
+    xids = probe_xids(LocalTransport("local"))
+    assert xids.readable and xids.events == []
+    assert "NVRM: loading NVIDIA UNIX Open Kernel Module" in (BUSY / "dmesg-xid.txt").read_text()
+    topo = parse_topo((BUSY / "topo.txt").read_text())
+    assert (topo.gpus, topo.links, topo.error) == ([0], {}, None)
 
 
 def test_xids_from_the_kernel_log() -> None:

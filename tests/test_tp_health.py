@@ -1,6 +1,7 @@
 """tp-health: the all-reduce probe on gloo across CPU processes (the same code that runs on
 NCCL), its watchdog, and the GPU rules on the H200's recorded nvidia-smi output and edited
-copies of it, replayed on the host the gate runs on."""
+copies of it, replayed on the host the gate runs on; and the whole gate on the H200 captured
+busy under the reference engine, with the report its NCCL probe printed there."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tests.conftest import FIXTURES, kdctl, write_inventory
 
 pytest.importorskip("torch")
 H200 = FIXTURES / "nvidia-smi" / "h200-1gpu"
+IDLE = FIXTURES / "nvidia-smi" / "h200-idle"
+BUSY = FIXTURES / "nvidia-smi" / "h200-busy"
 REPLAY = FIXTURES / "bin"
 XID_79 = (
     "[ 8812.101934] NVRM: Xid (PCI:0000:00:06): 79, pid=2231, name=python, "
@@ -85,6 +88,25 @@ def test_allreduce_on_gloo_across_cpu_ranks(tmp_path: Path, ranks: int, report: 
         f"tp-health on gloo, {ranks} CPU ranks: busbw {large['busbw_gbps']} GB/s at 2 MiB, "
         f"{small['time_us']} us at 16 KiB"
     )
+
+
+def test_one_rank_judges_no_link(tmp_path: Path) -> None:
+    """With one rank nothing crosses a link: the small all-reduce times the launch of a no-op
+    (35 us on an idle H200 with NCCL, 57 us beside a busy engine), so an interconnect's
+    latency threshold does not apply, as bus bandwidth does not; the sums are still checked."""
+    env = {"NCCL_VERSION": "2.28.3-1", "NCCL_DEBUG": "WARN"}
+    code, result = tp_health(inventory(tmp_path, tp=1, max_small_latency_us=0.001), env=env)
+    assert code == 0 and result["verdict"] == "pass", result["reasons"]
+    # NCCL_VERSION is the CUDA image's label, not a setting: only the variables NCCL reads.
+    assert result["details"]["allreduce"]["env"].get("NCCL_DEBUG") == "WARN"
+    assert "NCCL_VERSION" not in result["details"]["allreduce"]["env"]
+    metrics = {m["name"]: m for m in result["metrics"]}
+    assert metrics["small_latency_us"]["value"] > 0.001
+    assert metrics["small_latency_us"]["threshold"] is None
+    assert metrics["allreduce_wrong_elements"]["value"] == 0
+    assert any("small-message latency is judged" in r for r in result["reasons"])
+    small = result["details"]["allreduce"]["points"][0]
+    assert small["timer"] == "wall-clock" and small["wall_us"] == small["time_us"]
 
 
 def test_a_rank_that_never_joins_trips_the_watchdog(tmp_path: Path) -> None:
@@ -188,3 +210,50 @@ def test_gate_on_a_replayed_h200_host(tmp_path: Path) -> None:
     assert f"new Xid: {XID_79}" in reasons and "no process holds memory" not in reasons
     code, result = tp_health(inv, env=_replay_env(capture))
     assert "new Xid" not in " | ".join(result["reasons"])
+
+
+def test_gpu_rules_on_the_live_idle_and_busy_captures() -> None:
+    """The captures' GPU passes every rule, idle and busy. Busy, with the idle bit clear, its
+    PCIe link is judged, and held at gen 5 x16 under load; only the busy one has an engine."""
+    (idle,) = parse_query_gpu((IDLE / "query-gpu-nounits.csv").read_text())
+    (busy,) = parse_query_gpu((BUSY / "query-gpu-nounits.csv").read_text())
+    assert not (busy.clock_event_reasons or 0) & 0x1
+    assert gpu_findings([idle], [0]) == gpu_findings([busy], [0]) == []
+    trained_down = busy.model_copy(update={"pcie_width_current": 8})
+    assert gpu_findings([trained_down], [0]) == ["GPU 0: PCIe width 8 below its max 16"]
+    procs = parse_compute_apps((BUSY / "query-apps-nounits.csv").read_text(), [busy])
+    assert memory_findings(procs, [0]) == []
+    assert memory_findings(parse_compute_apps((IDLE / "query-apps-nounits.csv").read_text()), [0])
+
+
+def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
+    """The whole gate on the busy H200, with one rank as it ran there: GPU rules from the
+    replayed nvidia-smi, the engines' memory, no Xid, and rank 0's NCCL report as the real
+    probe printed it (its host's python3 replayed). It passes, with its figures as measured."""
+    inv = inventory(tmp_path, tp=1, gpus=1, python=str(REPLAY / "allreduce-replay"))
+    code, result = tp_health(inv, env=_replay_env(BUSY))
+    assert code == 0 and result["verdict"] == "pass", result["reasons"]
+    metrics = {m["name"]: (m["value"], m["threshold"]) for m in result["metrics"]}
+    assert metrics == {
+        "new_xids": (0, 0),
+        "gpus_visible": (1, None),
+        "allreduce_wrong_elements": (0, 0),
+        "busbw_gbps": (0.0, None),
+        "small_latency_us": (57.131, None),  # torch's launch of a one-rank no-op
+    }
+    assert result["reasons"][0].startswith(
+        "all-reduce on nccl across 1 ranks: busbw 0.00 GB/s at 256 MiB, 57.1 us at 16 KiB, "
+        "0 wrong; NCCL 2.28.9"
+    )
+    assert len(result["details"]["gpu_probe"]["processes"]) == 2
+    small = result["details"]["allreduce"]["points"][0]
+    assert (small["timer"], small["wall_us"]) == ("cuda-events", 89.248)
+
+    # The engines gone (the idle capture's empty process list): the same box fails.
+    capture = tmp_path / "stopped"
+    shutil.copytree(BUSY, capture)
+    shutil.copy(IDLE / "query-apps-nounits.csv", capture / "query-apps-nounits.csv")
+    code, result = tp_health(inv, env=_replay_env(capture))
+    assert code == 1 and result["reasons"][0] == (
+        "GPU 0: no process holds memory (is the engine running on this rank?)"
+    )

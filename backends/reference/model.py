@@ -9,7 +9,9 @@ an exactness gate would prove nothing.
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +40,27 @@ CORPUS_MODULES = (
 )
 QUANTIZATION_KEY = "kdctl_quantization"
 
+# A deepseek_v3 sized to take real GPU time (about 1.5B parameters, 7 MoE layers of 64 routed
+# experts, top-8, and one shared): pass it as `config_overrides` with `device="cuda"`, and
+# LARGE_TRAINING's step, smaller than the tiny model's and clipped: 200 steps of it on an H200
+# took 56 s and reached loss 3.27 (docs/gpu-validation.md).
+LARGE_DEEPSEEK_V3: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 4096,
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 8,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 768,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
+LARGE_TRAINING: dict[str, Any] = {"lr": 5e-4, "grad_clip": 1.0}
+
 
 @dataclass(frozen=True)
 class ModelReport:
@@ -61,11 +84,13 @@ def corpus_text() -> str:
     return "\n".join(parts)
 
 
-def _config(arch: Arch) -> Any:
+def _config(arch: Arch, overrides: Mapping[str, Any] | None = None) -> Any:
+    """The architecture's tiny config, with `overrides` applied before the config derives its
+    own fields (DeepseekV3Config's qk_head_dim, say); an unknown field is an input error."""
     if arch == "deepseek_v3":
-        from transformers import DeepseekV3Config
+        from transformers import DeepseekV3Config as cls
 
-        return DeepseekV3Config(
+        fields: dict[str, Any] = dict(
             vocab_size=VOCAB_SIZE,
             hidden_size=64,
             intermediate_size=128,
@@ -89,10 +114,10 @@ def _config(arch: Arch) -> Any:
             bos_token_id=0,
             eos_token_id=1,
         )
-    if arch == "llama":
-        from transformers import LlamaConfig
+    elif arch == "llama":
+        from transformers import LlamaConfig as cls
 
-        return LlamaConfig(
+        fields = dict(
             vocab_size=VOCAB_SIZE,
             hidden_size=128,
             intermediate_size=256,
@@ -104,7 +129,15 @@ def _config(arch: Arch) -> Any:
             bos_token_id=0,
             eos_token_id=1,
         )
-    raise InputError(f"--arch: unknown architecture {arch!r} (known: deepseek_v3, llama)")
+    else:
+        raise InputError(f"--arch: unknown architecture {arch!r} (known: deepseek_v3, llama)")
+    if overrides:
+        known = set(cls().to_dict())
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise InputError(f"{arch} config has no field {', '.join(map(repr, unknown))}")
+        fields.update(overrides)
+    return cls(**fields)
 
 
 def _tokenizer(text: str) -> Any:
@@ -169,8 +202,18 @@ def make_model(
     quantize: Literal["w4a16"] | None = None,
     group_size: int = 32,
     from_model: Path | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
+    device: str = "cpu",
+    lr: float = 3e-3,
+    grad_clip: float | None = None,
 ) -> ModelReport:
-    """Write a tiny model and its tokenizer to `out`; the same arguments give the same bytes."""
+    """Write a tiny model and its tokenizer to `out`; the same arguments give the same bytes.
+
+    `config_overrides` changes the architecture's config (a larger model: LARGE_DEEPSEEK_V3);
+    `device` is where the weights are made and trained (saved from there as fp32). Nothing
+    promises bitwise-repeatable training on CUDA (two runs on an H200 did reach the same loss),
+    so "the same bytes" is the CPU's guarantee.
+    """
     require_extra("torch", "transformers", "tokenizers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -191,8 +234,14 @@ def make_model(
         else:
             text = corpus_text()
             tokenizer = _tokenizer(text)
-            model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
-            loss = _train(model, tokenizer(text)["input_ids"], train_steps)
+            config = _config(arch, config_overrides)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            loss = _train(
+                model, tokenizer(text)["input_ids"], train_steps, lr=lr, grad_clip=grad_clip
+            )
+            if loss is not None and not math.isfinite(loss):
+                raise InputError(f"training diverged (loss {loss}): lower the learning rate")
             steps = train_steps
         quant = quantize_w4a16(model, group_size) if quantize == "w4a16" else None
         if quant is not None:
@@ -209,6 +258,8 @@ def make_model(
                     "train_steps": steps,
                     "final_loss": loss,
                     "quantization": quant,
+                    **({"config_overrides": dict(config_overrides)} if config_overrides else {}),
+                    **({"trained_on": device, "lr": lr} if device != "cpu" else {}),
                 },
                 indent=2,
             )
@@ -220,24 +271,29 @@ def make_model(
     return ModelReport(out, arch, params, steps, loss, quant)
 
 
-def _train(model: Any, ids: list[int], steps: int) -> float | None:
+def _train(
+    model: Any, ids: list[int], steps: int, *, lr: float = 3e-3, grad_clip: float | None = None
+) -> float | None:
     import torch
 
     if steps == 0:
         return None
+    device = next(model.parameters()).device
     data = torch.tensor(ids, dtype=torch.long)
     seq, batch = 64, 16
     gen = torch.Generator().manual_seed(SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss_value = float("nan")
     for _ in range(steps):
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-        x = torch.stack([data[s : s + seq] for s in starts.tolist()])
+        x = torch.stack([data[s : s + seq] for s in starts.tolist()]).to(device)
         out = model(input_ids=x, labels=x)
         opt.zero_grad()
         out.loss.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
-        loss_value = float(out.loss)
+        loss_value = float(out.loss.detach())
     model.eval()
     return round(loss_value, 4)

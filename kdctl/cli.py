@@ -227,6 +227,124 @@ def report(
         raise typer.Exit(1)
 
 
+def _confirmer(yes: bool) -> Any:
+    """--yes answers for scripts; a terminal is asked; with neither, kdctl refuses rather
+    than wait for an answer that cannot come."""
+
+    def confirm(question: str) -> bool:
+        if yes:
+            err_print(f"{question} yes (--yes)")
+            return True
+        if not sys.stdin.isatty():
+            from kdctl.traffic import Refused
+
+            raise Refused(f"{question} No terminal to ask and no --yes: refusing; nothing changed")
+        return typer.confirm(question, default=False, err=True)
+
+    return confirm
+
+
+@app.command("cutover")
+def cutover_cmd(
+    to: Annotated[str | None, typer.Option("--to", help="The backend to move traffic to.")] = None,
+    strategy: Annotated[
+        str | None,
+        typer.Option(
+            "--strategy", help="blue-green, canary or swap [default: chosen by the plan]."
+        ),
+    ] = None,
+    steps: Annotated[
+        str, typer.Option("--steps", help="Canary weights, percent, rising to 100.")
+    ] = "5,25,50,100",
+    watch: Annotated[
+        float, typer.Option("--watch", min=0, help="Seconds of SLO watch between canary steps.")
+    ] = 10.0,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan; change nothing.")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Go past unmet prerequisites (asked, and journaled).")
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Answer yes to every question.")] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the interrupted cutover in the journal.")
+    ] = False,
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Move traffic to a backend, gated by the roadmap's prerequisites. Exit 0 when traffic
+    moved, 1 when refused or rolled back, 3 when a router or host failed."""
+    from kdctl.errors import InputError
+    from kdctl.traffic import Plan, cutover
+
+    if strategy not in (None, "blue-green", "canary", "swap"):
+        raise InputError(f"--strategy: {strategy!r} is not one of blue-green, canary, swap")
+    try:
+        weights = tuple(int(w) for w in steps.split(","))
+    except ValueError:
+        raise InputError(
+            f"--steps: {steps!r} is not a list of percentages like 5,25,50,100"
+        ) from None
+    inv = _load(inventory, state_dir)
+    with _store_for(inv) as store:
+        result = cutover(
+            inv,
+            store,
+            to,
+            confirm=_confirmer(yes),
+            strategy=strategy,  # type: ignore[arg-type]
+            steps=weights,
+            watch_s=watch,
+            force=force,
+            dry_run=dry_run,
+            resume=resume,
+            on_step=None
+            if json_
+            else lambda i, step: err_print(f"step {i + 1}: {step.describe()}"),
+        )
+    if json_:
+        _print_json(result)
+    elif isinstance(result, Plan):
+        out.print(
+            f"plan: {result.strategy} from {result.from_backend} to {result.to_backend} "
+            f"({result.reason})",
+            markup=False,
+        )
+        for i, step in enumerate(result.steps):
+            out.print(f"  {i + 1}. {step.describe()}", markup=False)
+    else:
+        line = f"cutover {result.id}: {result.state}"
+        if result.reason:
+            line += f": {result.reason}"
+        if result.router is not None:
+            line += f"; router now sends {result.router.weights}"
+        if result.downtime_s is not None:
+            line += f"; downtime {result.downtime_s:.2f}s"
+        out.print(line, markup=False)
+    if not isinstance(result, Plan) and result.state != "succeeded":
+        raise typer.Exit(1)
+
+
+@app.command("rollback")
+def rollback_cmd(
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Answer yes to every question.")] = False,
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Back to the backend that served before the last cutover: no gates, one router write,
+    confirmed by reading the router back."""
+    from kdctl.traffic import rollback
+
+    inv = _load(inventory, state_dir)
+    backend, state = rollback(inv, confirm=_confirmer(yes))
+    if json_:
+        _print_json({"serving": backend, "router": state.model_dump(mode="json")})
+    else:
+        out.print(f"rolled back: the router sends {state.weights} ({state.source})", markup=False)
+
+
 @inventory_app.command("check")
 def inventory_check(
     inventory: InventoryOpt = None, state_dir: StateDirOpt = None, json_: JsonOpt = False

@@ -100,10 +100,21 @@ def status_tables(report: StatusReport) -> Group:
 
     t = report.traffic
     if t.router:
+        split = ", ".join(f"{k} {v}%" for k, v in t.weights.items()) or "nothing"
+        where = t.detail or f"read back from {t.source}"
         traffic = Text(
-            f"Traffic: {t.router} on {t.router_host} ({t.listen}) sends it to {t.serving} "
-            f"(as the inventory declares)"
+            f"Traffic: {t.router} on {t.router_host} ({t.listen}) sends {split} ({where})"
         )
+        if t.draining:
+            traffic.append("; DRAINING: new requests get 503", "yellow")
+        if t.cutover_in_progress:
+            c = t.cutover_in_progress
+            traffic.append(
+                f"\nCutover in progress: {c['id']} {c['strategy']} {c['from']} -> {c['to']}, "
+                f"{c['steps_done']}/{c['steps']} steps done "
+                "(kdctl cutover --resume, kdctl rollback)",
+                "yellow",
+            )
     else:
         traffic = Text("Traffic: no router in the inventory")
     parts: list[Table | Text] = [hosts, backends, traffic]

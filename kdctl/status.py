@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, SecretStr
@@ -56,7 +56,7 @@ class BackendStatus(BaseModel):
 
 
 class TrafficStatus(BaseModel):
-    """Which backend takes traffic, as the inventory declares it."""
+    """Which backend takes traffic: read back from the router, else as the inventory says."""
 
     router: str | None = None
     router_host: str | None = None
@@ -64,6 +64,10 @@ class TrafficStatus(BaseModel):
     serving: str | None = None
     weights: dict[str, int] = {}
     source: str = "inventory"
+    draining: bool = False
+    detail: str | None = None
+    # The journal's cutover that has not finished, if any: id, from, to, strategy, steps done.
+    cutover_in_progress: dict[str, Any] | None = None
 
 
 class StatusReport(BaseModel):
@@ -232,16 +236,50 @@ def collect_status(
         status.service = services.get(name)
         backends.append(status)
 
-    router = inventory.spec.router
-    traffic = TrafficStatus()
-    if router is not None:
-        traffic = TrafficStatus(
-            router=router.kind,
-            router_host=router.host,
-            listen=router.listen,
-            serving=router.serving,
-            weights={router.serving: 100},
-        )
+    traffic = live_traffic(inventory)
     return StatusReport(
         inventory=str(inventory.path), hosts=hosts, backends=backends, traffic=traffic
     )
+
+
+def live_traffic(inventory: LoadedInventory) -> TrafficStatus:
+    """The router's own state when it can be read, and any cutover the journal left open."""
+    from kdctl.traffic import Journal, make_router
+
+    router = inventory.spec.router
+    if router is None:
+        return TrafficStatus()
+    traffic = TrafficStatus(
+        router=router.kind,
+        router_host=router.host,
+        listen=router.listen,
+        serving=router.serving,
+        weights={router.serving: 100},
+    )
+    try:
+        with TransportPool(inventory) as pool:
+            state = make_router(inventory, pool).read()
+    except KdctlError as exc:
+        traffic.detail = f"router not read back ({exc}); as the inventory declares"
+    else:
+        traffic.weights, traffic.source, traffic.draining = (
+            state.weights,
+            state.source,
+            state.draining,
+        )
+        top = max(state.weights.items(), key=lambda kv: kv[1], default=None)
+        traffic.serving = top[0] if top else None
+    if (inventory.state_dir / "traffic.sqlite").exists():
+        with Journal(inventory.state_dir) as journal:
+            open_one = journal.latest(state="running")
+        if open_one is not None:
+            traffic.cutover_in_progress = {
+                "id": open_one.id,
+                "from": open_one.from_backend,
+                "to": open_one.to_backend,
+                "strategy": open_one.strategy,
+                "steps_done": len(open_one.done_steps),
+                "steps": len(open_one.plan),
+                "holder": open_one.holder,
+            }
+    return traffic

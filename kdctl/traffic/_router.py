@@ -1,0 +1,98 @@
+"""The Router interface: what a traffic driver can do, and the state it reads back."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import httpx
+from pydantic import BaseModel
+
+from kdctl.errors import InfraError
+from kdctl.inventory import LoadedInventory, RouterSpec
+from kdctl.transports import Transport
+
+# The header every front names the backend that answered with, so a probe can tell.
+BACKEND_HEADER = "X-Kdctl-Backend"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    # Traffic split by weight (a canary); without it, only all-at-once switches (blue-green).
+    weights: bool
+    blue_green: bool
+    # The live state can be read back from the router itself after a write.
+    read_back: bool
+    # New requests can be refused with 503 and Retry-After while engines swap.
+    drain: bool
+
+
+class RouterState(BaseModel):
+    """Weights by backend name, in percent, as the router holds them now."""
+
+    weights: dict[str, int]
+    draining: bool = False
+    source: str
+
+    @property
+    def serving(self) -> list[str]:
+        return sorted(n for n, w in self.weights.items() if w > 0)
+
+
+class RouterError(InfraError):
+    pass
+
+
+class Router(abc.ABC):
+    kind: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, inv: LoadedInventory, spec: RouterSpec, transport: Transport) -> None:
+        self.inv = inv
+        self.spec = spec
+        self.transport = transport
+
+    @property
+    def front_url(self) -> str:
+        host, _, port = self.spec.listen.rpartition(":")
+        host = host.strip("[]")
+        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on, not binds
+            host = (
+                "127.0.0.1"
+                if self.inv.hosts[self.spec.host].transport == "local"
+                else (self.inv.hosts[self.spec.host].address or "127.0.0.1")
+            )
+        return f"http://{host}:{port}"
+
+    @abc.abstractmethod
+    def read(self) -> RouterState:
+        """The live state, from the router itself."""
+
+    @abc.abstractmethod
+    def apply(self, weights: dict[str, int]) -> RouterState:
+        """Send traffic by `weights` (percent, summing to 100) and return the state read back;
+        raise RouterError, with the old state still serving, when the change cannot be made."""
+
+    def drain(self) -> RouterState:
+        raise RouterError(f"router {self.kind} cannot drain")
+
+    def probe(self, client: httpx.Client, path: str = "/health") -> str | None:
+        """Which backend answered one request through the front (None when none did)."""
+        try:
+            r = client.get(self.front_url + path, timeout=5)
+        except httpx.HTTPError:
+            return None
+        return r.headers.get(BACKEND_HEADER) or None
+
+
+def check_weights(inv: LoadedInventory, weights: dict[str, int]) -> None:
+    from kdctl.errors import InputError
+
+    for name, w in weights.items():
+        if name not in inv.backends:
+            raise InputError(f"weights: unknown backend {name!r}")
+        if not 0 <= w <= 100:
+            raise InputError(f"weights: {name} {w} is not between 0 and 100")
+    if sum(weights.values()) != 100:
+        raise InputError(f"weights {weights} do not sum to 100")

@@ -1,0 +1,352 @@
+"""Cutover and rollback: a plan of steps chosen by what the router can do and where the engines
+run, executed under the traffic lock with every step journaled before and after it is applied.
+
+Strategies, in Argo Rollouts' terms:
+- blue-green: the candidate already up and gated takes all traffic at once; the old backend
+  stays warm for a rollback.
+- canary: weight steps (5, 25, 50, 100 by default) with an SLO watch between them; a breach rolls
+  back at once and says which SLO broke.
+- swap: the two engines need the same GPUs on one host, so the old one must stop before the new
+  one starts: drain (503 with Retry-After), stop, start, wait ready, smoke gate, reopen; any
+  failure stops the new one and restarts the old. The downtime is measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel
+
+from kdctl.backends import GenerateRequest, HttpBackend, make_backend
+from kdctl.backends.health import probe_health
+from kdctl.errors import InputError, KdctlError
+from kdctl.evidence import EvidenceStore
+from kdctl.gating import run_gates
+from kdctl.inventory import BackendSpec, LoadedInventory
+from kdctl.load import BenchMetrics, LoadPlan, run_load
+from kdctl.traffic._router import Router, RouterError, RouterState
+from kdctl.traffic.journal import CutoverRecord, Journal
+from kdctl.transports import TransportPool
+
+Strategy = Literal["blue-green", "canary", "swap"]
+StepKind = Literal["set-weights", "watch", "drain", "stop", "start", "smoke-gate"]
+DEFAULT_STEPS = (5, 25, 50, 100)
+
+
+class Step(BaseModel):
+    kind: StepKind
+    weights: dict[str, int] | None = None
+    backend: str | None = None
+    seconds: float | None = None
+
+    def describe(self) -> str:
+        if self.kind == "set-weights":
+            assert self.weights is not None
+            return "set weights " + ", ".join(f"{k} {v}%" for k, v in self.weights.items())
+        if self.kind == "watch":
+            return f"watch SLOs for {self.seconds:g}s under a probe load"
+        if self.kind == "drain":
+            return "drain: the router answers 503 with Retry-After"
+        if self.kind == "smoke-gate":
+            return f"smoke gate on {self.backend}: health and a short exactness check"
+        return f"{self.kind} {self.backend}"
+
+
+class Plan(BaseModel):
+    from_backend: str
+    to_backend: str
+    strategy: Strategy
+    reason: str
+    steps: list[Step]
+
+
+def _overlap(a: BackendSpec, b: BackendSpec) -> bool:
+    return a.host == b.host and bool(set(a.gpus) & set(b.gpus))
+
+
+def plan_cutover(
+    inv: LoadedInventory,
+    router: Router,
+    current: RouterState,
+    to: str,
+    *,
+    strategy: Strategy | None = None,
+    weights: tuple[int, ...] = DEFAULT_STEPS,
+    watch_s: float = 10.0,
+) -> Plan:
+    if to not in inv.backends:
+        raise InputError(f"--to: unknown backend {to!r} (known: {', '.join(sorted(inv.backends))})")
+    serving = current.serving
+    if len(serving) != 1:
+        raise InputError(
+            f"the router sends traffic to {serving or 'nothing'}: finish or roll back the "
+            "cutover in progress first (kdctl cutover --resume, kdctl rollback)"
+        )
+    (src,) = serving
+    if src == to:
+        raise InputError(f"{to} already takes all traffic")
+    caps = router.capabilities
+    shared = _overlap(inv.backends[src], inv.backends[to])
+    if strategy is None:
+        if shared:
+            strategy, why = "swap", f"{src} and {to} need the same GPUs on {inv.backends[to].host}"
+        elif caps.weights:
+            strategy, why = "canary", f"{router.kind} splits traffic by weight"
+        else:
+            strategy, why = "blue-green", f"{router.kind} has no weights: all at once"
+    else:
+        why = "chosen with --strategy"
+        if shared and strategy != "swap":
+            raise InputError(
+                f"--strategy {strategy}: {src} and {to} share GPUs "
+                f"{sorted(set(inv.backends[src].gpus) & set(inv.backends[to].gpus))} on "
+                f"{inv.backends[to].host}; both cannot run at once, only swap can move traffic"
+            )
+        if strategy == "canary" and not caps.weights:
+            raise InputError(f"--strategy canary: {router.kind} has no traffic weights")
+        if strategy == "swap" and not caps.drain:
+            raise InputError(f"--strategy swap: {router.kind} cannot drain")
+    steps: list[Step] = []
+    if strategy == "blue-green":
+        steps.append(Step(kind="set-weights", weights={src: 0, to: 100}))
+    elif strategy == "canary":
+        if not weights or sorted(weights) != list(weights) or weights[-1] != 100:
+            raise InputError(f"--steps {weights}: weights must rise and end at 100")
+        for w in weights:
+            steps.append(Step(kind="set-weights", weights={src: 100 - w, to: w}))
+            if w < 100:
+                steps.append(Step(kind="watch", seconds=watch_s))
+    else:
+        steps += [
+            Step(kind="drain"),
+            Step(kind="stop", backend=src),
+            Step(kind="start", backend=to),
+            Step(kind="smoke-gate", backend=to),
+            Step(kind="set-weights", weights={src: 0, to: 100}),
+        ]
+    return Plan(from_backend=src, to_backend=to, strategy=strategy, reason=why, steps=steps)
+
+
+class CutoverOutcome(BaseModel):
+    id: str
+    plan: Plan
+    state: Literal["succeeded", "failed", "rolled_back"]
+    reason: str | None = None
+    router: RouterState | None = None
+    downtime_s: float | None = None
+    watches: list[dict[str, Any]] = []
+
+
+@dataclass
+class Runner:
+    """Executes a plan; `on_step` hears of every step as it starts (for progress output)."""
+
+    inv: LoadedInventory
+    router: Router
+    journal: Journal
+    store: EvidenceStore
+    pool: TransportPool
+    on_step: Callable[[int, Step], None] | None = None
+    watches: list[dict[str, Any]] = field(default_factory=list)
+    drained_at: float | None = None
+    downtime_s: float | None = None
+
+    def run(self, cid: str, plan: Plan, *, skip: set[int] | None = None) -> CutoverOutcome:
+        skip = skip or set()
+        try:
+            for idx, step in enumerate(plan.steps):
+                if idx in skip:
+                    continue
+                if self.on_step:
+                    self.on_step(idx, step)
+                self.journal.step(cid, idx, step.kind, step.model_dump(), "started")
+                try:
+                    note = self._apply(plan, step)
+                except KdctlError as exc:
+                    self.journal.step(cid, idx, step.kind, step.model_dump(), "failed", str(exc))
+                    raise
+                self.journal.step(cid, idx, step.kind, step.model_dump(), "done", note)
+        except KdctlError as exc:
+            reason = f"{exc}"
+            state = self._undo(cid, plan, reason)
+            return self._outcome(cid, plan, state, reason)
+        self.journal.finish(cid, "succeeded")
+        return self._outcome(cid, plan, "succeeded", None)
+
+    def _outcome(self, cid: str, plan: Plan, state: Any, reason: str | None) -> CutoverOutcome:
+        try:
+            now = self.router.read()
+        except KdctlError:
+            now = None
+        return CutoverOutcome(
+            id=cid,
+            plan=plan,
+            state=state,
+            reason=reason,
+            router=now,
+            downtime_s=self.downtime_s,
+            watches=self.watches,
+        )
+
+    def _apply(self, plan: Plan, step: Step) -> str | None:
+        if step.kind == "set-weights":
+            assert step.weights is not None
+            state = self.router.apply(step.weights)
+            if self.drained_at is not None:
+                self.downtime_s = round(time.monotonic() - self.drained_at, 3)
+                self.drained_at = None
+            return f"read back {state.weights}"
+        if step.kind == "watch":
+            assert step.seconds is not None
+            return self._watch(plan, step.seconds)
+        if step.kind == "drain":
+            self.router.drain()
+            self.drained_at = time.monotonic()
+            return "draining"
+        if step.kind in ("stop", "start"):
+            assert step.backend is not None
+            return self._lifecycle(step.backend, step.kind)
+        assert step.backend is not None
+        return self._smoke(step.backend)
+
+    def _lifecycle(self, name: str, verb: str) -> str:
+        spec = self.inv.backends[name]
+        with make_backend(name, spec, api_key=self.inv.api_key(name)) as be:
+            control = be.lifecycle(self.pool.get(spec.host))
+            if verb == "stop":
+                control.stop()
+                return f"{name} stopped"
+            control.start()
+            health = control.wait_ready(deadline_s=600)
+            return f"{name} ready ({health.state})"
+
+    def _smoke(self, name: str) -> str:
+        results = run_gates(self.inv, self.store, "health", name, None)
+        golden = self.store.baselines(kind="golden")
+        from_backend = golden[0].backend if golden else None
+        if from_backend is not None:
+            results += run_gates(self.inv, self.store, "exactness", name, from_backend)
+        bad = [r for r in results if r.verdict != "pass"]
+        if bad:
+            raise RouterError(
+                "smoke gate failed: "
+                + "; ".join(f"{r.gate} {r.verdict}: {(r.reasons or [''])[0]}" for r in bad)
+            )
+        return ", ".join(f"{r.gate} pass" for r in results)
+
+    def _watch(self, plan: Plan, seconds: float) -> str:
+        """A probe load through the front for `seconds`: every request must succeed, and TTFT
+        and ITL must hold the inventory's SLOs; the candidate must stay healthy."""
+        settings = self.inv.spec.gates.throughput
+        front = BackendSpec(kind="sglang", host=self.router.spec.host, url=self.router.front_url)
+        be = make_backend("router-front", front)
+        assert isinstance(be, HttpBackend)
+        deadline = time.monotonic() + seconds
+        failed = sent = 0
+        worst_ttft = worst_itl = 0.0
+        try:
+            while time.monotonic() < deadline:
+                reqs = [
+                    GenerateRequest(
+                        input_ids=[11 + i, 12, 13, 14], max_new_tokens=8, ignore_eos=True
+                    )
+                    for i in range(4)
+                ]
+                m = run_load(be, reqs, LoadPlan(max_concurrency=2, timeout_s=60))
+                sent += m.requests
+                failed += m.failed
+                worst_ttft = max(worst_ttft, m.ttft_ms.p99 or 0.0)
+                worst_itl = max(worst_itl, m.itl_ms.p99 or 0.0)
+                with httpx.Client() as client:
+                    health = probe_health(
+                        client,
+                        self.inv.backends[plan.to_backend].url or "",
+                        timeout=5,
+                        api_key=self.inv.api_key(plan.to_backend),
+                    )
+                broke = _breaches(m, settings.slo_ttft_ms, settings.slo_itl_ms)
+                if health.state != "up":
+                    broke.append(f"{plan.to_backend} health {health.state}: {health.detail}")
+                if broke:
+                    self.watches.append({"sent": sent, "failed": failed, "broke": broke})
+                    raise RouterError("SLO breach during the canary: " + "; ".join(broke))
+        finally:
+            be.close()
+        self.watches.append(
+            {"sent": sent, "failed": failed, "ttft_p99_ms": worst_ttft, "itl_p99_ms": worst_itl}
+        )
+        return (
+            f"{sent} probe requests, {failed} failed, "
+            f"TTFT p99 {worst_ttft:.0f} ms, ITL p99 {worst_itl:.1f} ms"
+        )
+
+    def _undo(self, cid: str, plan: Plan, reason: str) -> Literal["failed", "rolled_back"]:
+        """Back to the old backend: one router write; for a swap, the new engine stopped and
+        the old one started first."""
+        try:
+            restore(self.inv, self.router, self.pool, plan, self.journal, cid)
+        except KdctlError as exc:
+            self.journal.finish(cid, "failed", f"{reason}; rollback failed too: {exc}")
+            return "failed"
+        if self.drained_at is not None:
+            self.downtime_s = round(time.monotonic() - self.drained_at, 3)
+        self.journal.finish(cid, "rolled_back", reason)
+        return "rolled_back"
+
+
+def _breaches(m: BenchMetrics, ttft_ms: float | None, itl_ms: float | None) -> list[str]:
+    broke = []
+    if m.failed:
+        errors = "; ".join(m.errors[:2])
+        broke.append(f"error rate: {m.failed}/{m.requests} requests failed ({errors})")
+    ttft, itl = m.ttft_ms.p99, m.itl_ms.p99
+    if ttft_ms is not None and ttft is not None and ttft > ttft_ms:
+        broke.append(f"TTFT p99 {ttft:.0f} ms over the SLO of {ttft_ms:g} ms")
+    if itl_ms is not None and itl is not None and itl > itl_ms:
+        broke.append(f"ITL p99 {itl:.1f} ms over the SLO of {itl_ms:g} ms")
+    return broke
+
+
+def restore(
+    inv: LoadedInventory,
+    router: Router,
+    pool: TransportPool,
+    plan: Plan,
+    journal: Journal,
+    cid: str,
+) -> RouterState:
+    # Rollback steps are numbered after the plan's, so a resume never mistakes them for it.
+    record = journal.get(cid)
+    idx = 1000 + (len(record.steps) if record else 0)
+    if plan.strategy == "swap":
+        for name, verb in ((plan.to_backend, "stop"), (plan.from_backend, "start")):
+            spec = inv.backends[name]
+            journal.step(cid, idx, f"rollback-{verb}", {"backend": name}, "started")
+            with make_backend(name, spec, api_key=inv.api_key(name)) as be:
+                control = be.lifecycle(pool.get(spec.host))
+                if verb == "stop":
+                    control.stop()
+                else:
+                    if control.state().state != "running":
+                        control.start()
+                    control.wait_ready(deadline_s=600)
+            journal.step(cid, idx, f"rollback-{verb}", {"backend": name}, "done")
+            idx += 1
+    weights = {plan.from_backend: 100, plan.to_backend: 0}
+    live = router.read()
+    if live.weights == {plan.from_backend: 100} and not live.draining:
+        # The failed step never took: rewriting the router would only be a needless reload.
+        journal.step(cid, idx, "rollback-set-weights", {"weights": weights}, "done", "unchanged")
+        return live
+    journal.step(cid, idx, "rollback-set-weights", {"weights": weights}, "started")
+    state = router.apply(weights)
+    journal.step(cid, idx, "rollback-set-weights", {"weights": weights}, "done", str(state.weights))
+    return state
+
+
+def last_cutover(journal: Journal) -> CutoverRecord | None:
+    return journal.latest()

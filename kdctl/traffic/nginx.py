@@ -1,0 +1,170 @@
+"""The nginx driver: a file kdctl owns (upstream with weights, a map naming the backend that
+answered, the front server with stream-safe proxy settings), checked with `nginx -t`, written
+whole and swapped in by rename, then applied by a graceful reload, on the router's host."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+from jinja2 import Environment, PackageLoader, StrictUndefined
+
+from kdctl.errors import InputError
+from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
+
+# What may reach the file: every value is checked against these before rendering, so no
+# inventory value can close a directive and open another.
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_WEIGHTS_LINE = re.compile(r"^# kdctl-weights: (\{.*\})$", re.MULTILINE)
+_SERVER = re.compile(r"^\s*server (\S+) weight=(\d+);$", re.MULTILINE)
+_DRAINING = re.compile(r"^\s*return 503 ", re.MULTILINE)
+
+
+def _env() -> Environment:
+    # Not HTML: values are validated above instead of escaped (nginx has no escaping).
+    return Environment(  # noqa: S701
+        loader=PackageLoader("kdctl.templates", ""),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+class NginxRouter(Router):
+    kind = "nginx"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        weights=True, blue_green=True, read_back=True, drain=True
+    )
+
+    def _nginx(self, *args: str) -> list[str]:
+        argv = [self.spec.nginx]
+        if self.spec.prefix:
+            argv += ["-p", self.spec.prefix]
+        if self.spec.conf:
+            argv += ["-c", self.spec.conf]
+        return [*argv, *args]
+
+    def _address(self, name: str) -> str:
+        url = self.inv.backends[name].url
+        if url is None:
+            raise InputError(f"backend {name} has no url: nginx cannot send traffic to it")
+        parsed = httpx.URL(url)
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        host = parsed.host if ":" not in parsed.host else f"[{parsed.host}]"
+        address = f"{host}:{port}"
+        if parsed.scheme != "http" or parsed.path not in ("", "/"):
+            raise InputError(f"backend {name}: nginx fronts plain http://HOST:PORT engines ({url})")
+        if not _ADDRESS.match(address) or not _NAME.match(name):
+            raise InputError(f"backend {name}: {address!r} cannot go into an nginx config")
+        return address
+
+    def render(self, weights: dict[str, int], *, draining: bool = False) -> str:
+        check_weights(self.inv, weights)
+        if not _ADDRESS.match(self.spec.listen):
+            raise InputError(f"router.listen: {self.spec.listen!r} cannot go into an nginx config")
+        servers = [
+            {"name": name, "address": self._address(name), "weight": w}
+            for name, w in sorted(weights.items())
+            if w > 0
+        ]
+        return (
+            _env()
+            .get_template("nginx-kdctl.conf.j2")
+            .render(
+                weights_json=json.dumps({k: v for k, v in sorted(weights.items()) if v > 0}),
+                servers=servers,
+                listen=self.spec.listen,
+                keepalive=self.spec.keepalive,
+                draining=draining,
+                retry_after=30,
+            )
+        )
+
+    def read(self) -> RouterState:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / "kdctl.conf"
+            try:
+                self.transport.get(self.spec.include, local)
+            except Exception as exc:
+                raise RouterError(
+                    f"nginx on {self.spec.host}: cannot read {self.spec.include}: {exc}"
+                ) from None
+            text = local.read_text()
+        return parse_config(text, source=f"{self.spec.host}:{self.spec.include}")
+
+    def _check_and_reload(self) -> None:
+        test = self.transport.run(self._nginx("-t"), timeout=30)
+        if not test.ok:
+            raise RouterError(
+                f"nginx -t refused the new configuration: {test.stderr.strip()[-600:]}"
+            )
+        reload = self.transport.run(self._nginx("-s", "reload"), timeout=30)
+        if not reload.ok:
+            raise RouterError(f"nginx -s reload failed: {reload.stderr.strip()[-600:]}")
+
+    def _write(self, text: str) -> None:
+        """New file in, `nginx -t`; on refusal the previous file goes back and nginx, never
+        reloaded, keeps serving the old one."""
+        include = self.spec.include
+        previous = include + ".prev"
+        self.transport.run(["cp", "-p", "--", include, previous], timeout=30)
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / "kdctl.conf"
+            local.write_text(text)
+            self.transport.put(local, include, mode=0o644)
+        try:
+            self._check_and_reload()
+        except RouterError:
+            self.transport.run(["cp", "-p", "--", previous, include], timeout=30)
+            raise
+
+    def apply(self, weights: dict[str, int]) -> RouterState:
+        self._write(self.render(weights))
+        return self.confirm(weights)
+
+    def drain(self) -> RouterState:
+        current = self.read()
+        self._write(self.render(current.weights, draining=True))
+        return self.read()
+
+    def confirm(self, weights: dict[str, int], *, deadline_s: float = 10.0) -> RouterState:
+        """Read the live file back, then probe the front until the new workers answer: a reload
+        returns before the new workers take connections."""
+        state = self.read()
+        if state.weights != {k: v for k, v in weights.items() if v > 0} or state.draining:
+            raise RouterError(f"read back {state.weights}, not the {weights} just written")
+        serving = {k for k, v in weights.items() if v > 0}
+        # One backend: every answer must come from it, a few in a row.
+        tries = 3 if len(serving) == 1 else 1
+        deadline = time.monotonic() + deadline_s
+        with httpx.Client() as client:
+            while True:
+                got = [self.probe(client) for _ in range(tries)]
+                if all(g in serving for g in got):
+                    return state
+                if time.monotonic() > deadline:
+                    raise RouterError(
+                        f"nginx front {self.front_url} still answers from {got}, "
+                        f"not only {sorted(serving)}"
+                    )
+                time.sleep(0.05)
+
+
+def parse_config(text: str, *, source: str) -> RouterState:
+    m = _WEIGHTS_LINE.search(text)
+    if m is None:
+        raise RouterError(f"{source}: not a file kdctl wrote (no kdctl-weights line)")
+    declared = {k: int(v) for k, v in json.loads(m.group(1)).items() if int(v) > 0}
+    servers = _SERVER.findall(text)
+    if len(servers) != len(declared) or sorted(int(w) for _, w in servers) != sorted(
+        declared.values()
+    ):
+        raise RouterError(f"{source}: its server lines do not match its kdctl-weights line")
+    return RouterState(weights=declared, draining=bool(_DRAINING.search(text)), source=source)

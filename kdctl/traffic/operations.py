@@ -1,0 +1,168 @@
+"""What `kdctl cutover` and `kdctl rollback` do: preflight against the roadmap, confirmation,
+the lock, the journal, the plan, and the read-back of the router after every change."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kdctl.errors import InputError, KdctlError
+from kdctl.evidence import EvidenceStore
+from kdctl.inventory import LoadedInventory
+from kdctl.readiness import assess
+from kdctl.traffic._router import Router, RouterState
+from kdctl.traffic.cutover import (
+    DEFAULT_STEPS,
+    CutoverOutcome,
+    Plan,
+    Runner,
+    Step,
+    Strategy,
+    plan_cutover,
+    restore,
+)
+from kdctl.traffic.journal import Journal
+from kdctl.traffic.nginx import NginxRouter
+from kdctl.transports import TransportPool
+
+# Asked before anything changes; False stops there. The CLI answers from --yes or a terminal.
+Confirm = Callable[[str], bool]
+
+
+class Refused(KdctlError):
+    """A cutover kdctl will not make: prerequisites unmet, or no one said yes."""
+
+    exit_code = 1
+
+
+def make_router(inv: LoadedInventory, pool: TransportPool) -> Router:
+    spec = inv.spec.router
+    if spec is None:
+        raise InputError(f"{inv.path}: no router: set router: to move traffic")
+    if spec.kind == "nginx":
+        return NginxRouter(inv, spec, pool.get(spec.host))
+    from kdctl.traffic.sglang_router import SGLangRouter
+
+    return SGLangRouter(inv, spec, pool.get(spec.host))
+
+
+def preflight(inv: LoadedInventory, store: EvidenceStore, to: str) -> list[str]:
+    """Every criterion that keeps `to` out, with why; empty when the cutover may go."""
+    found = assess(inv, store, candidate=to)
+    if found.phases is None:
+        return ["no roadmap selected: nothing says the candidate is ready"]
+    return list(found.answers.cutover.blocking)
+
+
+def cutover(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    to: str | None,
+    *,
+    confirm: Confirm,
+    strategy: Strategy | None = None,
+    steps: tuple[int, ...] = DEFAULT_STEPS,
+    watch_s: float = 10.0,
+    force: bool = False,
+    dry_run: bool = False,
+    resume: bool = False,
+    on_step: Callable[[int, Step], None] | None = None,
+) -> Plan | CutoverOutcome:
+    with TransportPool(inv) as pool, Journal(inv.state_dir) as journal:
+        router = make_router(inv, pool)
+        if resume:
+            return _resume(inv, store, router, journal, pool, confirm, on_step)
+        if to is None:
+            raise InputError("--to: which backend to cut over to")
+        plan = plan_cutover(
+            inv, router, router.read(), to, strategy=strategy, weights=steps, watch_s=watch_s
+        )
+        if dry_run:
+            return plan
+        blocking = preflight(inv, store, to)
+        if blocking and not force:
+            raise Refused(
+                f"cutover to {to} refused: "
+                + "; ".join(blocking)
+                + " (every prerequisite needs passing fresh evidence; --force overrides)"
+            )
+        question = (
+            f"Cut over from {plan.from_backend} to {to} ({plan.strategy}, {len(plan.steps)} steps)?"
+        )
+        if blocking:
+            question = f"FORCE past {len(blocking)} unmet criteria: " + question
+        if not confirm(question):
+            raise Refused("cutover not confirmed; nothing changed")
+        with journal.locked():
+            # Read again under the lock: another cutover may have finished meanwhile.
+            plan = plan_cutover(
+                inv, router, router.read(), to, strategy=strategy, weights=steps, watch_s=watch_s
+            )
+            cid = journal.begin(
+                plan.from_backend,
+                to,
+                plan.strategy,
+                [s.model_dump() for s in plan.steps],
+                forced=bool(blocking),
+            )
+            if blocking:
+                journal.step(cid, -1, "force", {"unmet": blocking}, "done", "forced past preflight")
+            runner = Runner(inv, router, journal, store, pool, on_step=on_step)
+            return runner.run(cid, plan)
+
+
+def _resume(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    router: Router,
+    journal: Journal,
+    pool: TransportPool,
+    confirm: Confirm,
+    on_step: Callable[[int, Step], None] | None,
+) -> CutoverOutcome:
+    with journal.locked():
+        record = journal.latest(state="running")
+        if record is None:
+            raise InputError("no interrupted cutover in the journal")
+        plan = Plan(
+            from_backend=record.from_backend,
+            to_backend=record.to_backend,
+            strategy=record.strategy,
+            reason="resumed from the journal",
+            steps=[Step.model_validate(s) for s in record.plan],
+        )
+        live = router.read()
+        if not confirm(
+            f"Resume cutover {record.id} ({plan.strategy} to {plan.to_backend}); the router "
+            f"now sends {live.weights}; {len(record.done_steps)} of {len(plan.steps)} steps done?"
+        ):
+            raise Refused("resume not confirmed; nothing changed")
+        runner = Runner(inv, router, journal, store, pool, on_step=on_step)
+        return runner.run(record.id, plan, skip=record.done_steps)
+
+
+def rollback(inv: LoadedInventory, *, confirm: Confirm) -> tuple[str, RouterState]:
+    """Back to the backend that served before the last cutover: no gates, one router write,
+    confirmed by read-back; for a swap, the old engine restarted first."""
+    with TransportPool(inv) as pool, Journal(inv.state_dir) as journal:
+        router = make_router(inv, pool)
+        with journal.locked():
+            record = journal.latest()
+            if record is None:
+                raise InputError("no cutover in the journal to roll back")
+            plan = Plan(
+                from_backend=record.from_backend,
+                to_backend=record.to_backend,
+                strategy=record.strategy,
+                reason="rollback",
+                steps=[],
+            )
+            live = router.read()
+            if live.weights == {record.from_backend: 100} and not live.draining:
+                return record.from_backend, live
+            if not confirm(
+                f"Roll back to {record.from_backend} (the router now sends {live.weights})?"
+            ):
+                raise Refused("rollback not confirmed; nothing changed")
+            state = restore(inv, router, pool, plan, journal, record.id)
+            journal.finish(record.id, "rolled_back", "kdctl rollback")
+            return record.from_backend, state

@@ -1,0 +1,103 @@
+"""SGLang's router (sglang-router, the SGLang Model Gateway) over its worker registry: add the
+new worker, wait for its queued job to land and the worker to be healthy, remove the old one,
+wait again. It has no traffic weights: blue-green only, declared as such."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+from urllib.parse import quote
+
+import httpx
+
+from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
+
+
+class SGLangRouter(Router):
+    kind = "sglang-router"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        weights=False, blue_green=True, read_back=True, drain=False
+    )
+    wait_s: ClassVar[float] = 60.0
+
+    def _client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.front_url, timeout=10)
+
+    def _workers(self, client: httpx.Client) -> list[dict[str, Any]]:
+        try:
+            r = client.get("/workers")
+            r.raise_for_status()
+            return list(r.json().get("workers", []))
+        except (httpx.HTTPError, ValueError) as exc:
+            raise RouterError(f"sglang-router at {self.front_url}: GET /workers: {exc}") from None
+
+    def _names(self) -> dict[str, str]:
+        return {
+            (spec.url or "").rstrip("/"): name
+            for name, spec in self.inv.backends.items()
+            if spec.url
+        }
+
+    def read(self) -> RouterState:
+        with self._client() as client:
+            workers = self._workers(client)
+        by_url = self._names()
+        names = sorted(by_url.get(w["url"].rstrip("/"), w["url"]) for w in workers)
+        weights = {n: 100 // len(names) for n in names} if names else {}
+        if names:
+            weights[names[0]] += 100 - sum(weights.values())
+        return RouterState(weights=weights, source=f"{self.front_url}/workers")
+
+    def apply(self, weights: dict[str, int]) -> RouterState:
+        check_weights(self.inv, weights)
+        wanted = [n for n, w in weights.items() if w > 0]
+        if len(wanted) != 1 or weights[wanted[0]] != 100:
+            raise RouterError(f"sglang-router has no weights: it cannot split traffic {weights}")
+        (target,) = wanted
+        url = (self.inv.backends[target].url or "").rstrip("/")
+        with self._client() as client:
+            present = {w["url"].rstrip("/"): w for w in self._workers(client)}
+            if url not in present:
+                r = client.post("/workers", json={"url": url})
+                if r.status_code not in (200, 201, 202):
+                    raise RouterError(
+                        f"sglang-router refused worker {url}: HTTP {r.status_code} {r.text[:200]}"
+                    )
+                self._wait(
+                    client,
+                    lambda ws: any(w["url"].rstrip("/") == url and w.get("is_healthy") for w in ws),
+                    f"{target} to join as a healthy worker",
+                )
+            # The new worker serves before the old one leaves: no request finds none.
+            for old_url, w in present.items():
+                if old_url == url:
+                    continue
+                ident = w.get("id") or quote(old_url, safe="")
+                r = client.delete(f"/workers/{ident}")
+                if r.status_code not in (200, 202, 204):
+                    raise RouterError(
+                        f"sglang-router refused to remove {old_url}: HTTP {r.status_code}"
+                    )
+            self._wait(
+                client,
+                lambda ws: [w["url"].rstrip("/") for w in ws] == [url],
+                f"only {target} to remain",
+            )
+        state = self.read()
+        if state.weights != {target: 100}:
+            raise RouterError(f"read back {state.weights}, not {target} alone")
+        return state
+
+    def _wait(self, client: httpx.Client, done: Any, what: str) -> None:
+        """Worker changes are queued jobs: poll the registry until it shows the change."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            workers = self._workers(client)
+            if done(workers):
+                return
+            if time.monotonic() > deadline:
+                listed = [w["url"] for w in workers]
+                raise RouterError(
+                    f"sglang-router: waited {self.wait_s:g}s for {what}; it lists {listed}"
+                )
+            time.sleep(0.1)

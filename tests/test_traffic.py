@@ -1,0 +1,395 @@
+"""Cutover and rollback through a real nginx on loopback in front of reference servers, under a
+steady load of streaming and non-streaming requests; SGLang's real router for blue-green."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import Served, kdctl, serve_reference, wait_http, write_inventory
+from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.sshd import free_port
+
+pytest.importorskip("torch")
+
+ROADMAP = {
+    "title": "Traffic test",
+    "serving": "baseline",
+    "candidate": "candidate",
+    "phases": [
+        {
+            "id": "ready",
+            "title": "Healthy and exact",
+            "criteria": [
+                {"gate": "health"},
+                {"gate": "exactness", "settings": {"mode": "strict"}},
+            ],
+        },
+        {
+            "id": "cutover",
+            "title": "Cutover",
+            "depends_on": ["ready"],
+            "criteria": [
+                {"name": "soak", "gate": "sign-off"},
+            ],
+        },
+    ],
+}
+
+
+@dataclass
+class Load:
+    """Streaming and non-streaming requests through the front until stopped: every response
+    must be 2xx and complete, every stream must end with its final chunk."""
+
+    url: str
+    sent: int = 0
+    failures: list[str] = field(default_factory=list)
+    served_by: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _one(self, client: httpx.Client, stream: bool, i: int) -> None:
+        body = {
+            "input_ids": [11 + i % 50, 12, 13],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "stream": stream,
+        }
+        try:
+            if stream:
+                with client.stream("POST", self.url + "/generate", json=body) as r:
+                    lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+                    ok = r.status_code == 200 and lines and lines[-1] == "data: [DONE]"
+                    who = r.headers.get("x-kdctl-backend", "?")
+                    if not ok:
+                        self.failures.append(f"stream HTTP {r.status_code}, ended {lines[-1:]}")
+            else:
+                r = client.post(self.url + "/generate", json=body)
+                who = r.headers.get("x-kdctl-backend", "?")
+                if r.status_code != 200 or "text" not in r.json():
+                    self.failures.append(f"HTTP {r.status_code}: {r.text[:80]}")
+            self.served_by[who] = self.served_by.get(who, 0) + 1
+        except httpx.HTTPError as exc:
+            self.failures.append(f"{type(exc).__name__}: {exc}")
+        self.sent += 1
+
+    def _loop(self, stream: bool) -> None:
+        with httpx.Client(timeout=30) as client:
+            i = 0
+            deadline = time.monotonic() + 240  # bounded in time
+            while not self._stop.is_set() and i < 2000 and time.monotonic() < deadline:
+                self._one(client, stream, i)
+                i += 1
+
+    def __enter__(self) -> Load:
+        for stream in (True, False, True):
+            t = threading.Thread(target=self._loop, args=(stream,), daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+@pytest.fixture
+def front(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> Iterator[dict[str, Any]]:
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    port = free_port()
+    root = tmp_path / "nginx"
+    root.mkdir()
+    include = root / "kdctl.conf"
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    data = {
+        "hosts": {"local": {"transport": "local"}},
+        "backends": {
+            "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
+            "candidate": {
+                "kind": "native",
+                "mode": "http",
+                "host": "local",
+                "url": twin_server.url,
+            },
+        },
+        "router": {
+            "kind": "nginx",
+            "host": "local",
+            "listen": f"127.0.0.1:{port}",
+            "serving": "baseline",
+            "include": str(include),
+            "nginx": need_nginx,
+            "prefix": str(root),
+            "conf": str(root / "nginx.conf"),
+        },
+        "gates": {"exactness": {"max_new_tokens": 6, "top_k": 3}},
+        "roadmap": "roadmap.yaml",
+        "state_dir": "state",
+    }
+    inv_path = write_inventory(tmp_path / "inv.yaml", data)
+    inv = load_inventory(inv_path)
+    with TransportPool(inv) as pool:
+        router = NginxRouter(inv, inv.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        include.write_text(router.render({"baseline": 100}))
+    pidfile = start_nginx(root, f"  include {include};", [port])
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health")
+    try:
+        yield {"inv": inv_path, "url": url, "include": include, "data": data, "root": root}
+    finally:
+        stop_nginx(pidfile)
+
+
+def weights(include: Path) -> dict[str, int]:
+    from kdctl.traffic.nginx import parse_config
+
+    return parse_config(include.read_text(), source=str(include)).weights
+
+
+def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, Any]) -> None:
+    inv = str(front["inv"])
+    refused = kdctl("cutover", "--to", "candidate", "--yes", "-i", inv)
+    assert refused.code == 1, refused.out + refused.err
+    assert "cutover to candidate refused" in refused.err and "exactness" in refused.err
+    assert weights(front["include"]) == {"baseline": 100}
+
+    plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv)
+    assert plan.code == 0 and "plan: canary from baseline to candidate" in plan.out
+    assert "set weights baseline 95%, candidate 5%" in plan.out
+
+    assert kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", inv).code == 0
+    assert kdctl("phases", "--run", "-i", inv).code == 0
+    # No terminal and no --yes: refused rather than waiting for an answer.
+    unasked = kdctl("cutover", "--to", "candidate", "--strategy", "blue-green", "-i", inv)
+    assert unasked.code == 1 and "No terminal to ask and no --yes" in unasked.err
+
+    with Load(front["url"]) as load:
+        time.sleep(1)
+        bg = kdctl("cutover", "--to", "candidate", "--strategy", "blue-green", "--yes", "-i", inv)
+        assert bg.code == 0, bg.out + bg.err
+        assert "succeeded" in bg.out and weights(front["include"]) == {"candidate": 100}
+        time.sleep(1)
+        back = kdctl("rollback", "--yes", "-i", inv)
+        assert back.code == 0, back.out + back.err
+        assert weights(front["include"]) == {"baseline": 100}
+        time.sleep(1)
+        canary = kdctl(
+            "cutover",
+            "--to",
+            "candidate",
+            "--steps",
+            "25,50,100",
+            "--watch",
+            "2",
+            "--yes",
+            "-i",
+            inv,
+            "--json",
+        )
+        assert canary.code == 0, canary.out + canary.err
+        time.sleep(1)
+    outcome = json.loads(canary.out)
+    assert outcome["state"] == "succeeded" and outcome["router"]["weights"] == {"candidate": 100}
+    assert [w["failed"] for w in outcome["watches"]] == [0, 0]
+    assert load.sent > 30 and not load.failures, load.failures[:5]
+    assert load.served_by.get("baseline") and load.served_by.get("candidate")
+
+    status = kdctl("status", "-i", inv, "--json")
+    assert json.loads(status.out)["traffic"]["weights"] == {"candidate": 100}
+
+
+def test_second_cutover_is_refused_while_one_holds_the_lock(front: dict[str, Any]) -> None:
+    from kdctl.traffic import Journal
+
+    inv = str(front["inv"])
+    with Journal(front["inv"].parent / "state") as journal, journal.locked():
+        run = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", inv)
+    assert run.code == 1, run.out + run.err
+    assert "another cutover holds the traffic lock" in run.err
+    assert f"pid {os.getpid()}" in run.err and " since " in run.err
+    assert weights(front["include"]) == {"baseline": 100}
+
+
+def test_a_config_nginx_refuses_is_never_applied(front: dict[str, Any], tmp_path: Path) -> None:
+    data = json.loads(json.dumps(front["data"]))
+    # A name nginx cannot resolve: `nginx -t` fails on it; the inventory cannot know.
+    data["backends"]["candidate"]["url"] = "http://kdctl-no-such-host.invalid:31999"
+    inv = write_inventory(tmp_path / "bad.yaml", data)
+    before = front["include"].read_text()
+    run = kdctl(
+        "cutover",
+        "--to",
+        "candidate",
+        "--strategy",
+        "blue-green",
+        "--force",
+        "--yes",
+        "-i",
+        str(inv),
+    )
+    assert run.code == 1, run.out + run.err
+    assert "nginx -t refused the new configuration" in run.out + run.err
+    assert front["include"].read_text() == before
+    with httpx.Client() as client:
+        r = client.get(front["url"] + "/health")
+    assert r.status_code == 200 and r.headers["x-kdctl-backend"] == "baseline"
+
+
+def test_values_that_would_inject_directives_are_rejected(front: dict[str, Any]) -> None:
+    from kdctl.errors import InputError
+    from kdctl.inventory import BackendSpec, load_inventory
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    data = json.loads(json.dumps(front["data"]))
+    data["router"]["listen"] = "127.0.0.1:80; include /etc/shadow"
+    bad = write_inventory(front["inv"].parent / "inject.yaml", data)
+    run = kdctl("inventory", "check", "-i", str(bad))
+    assert run.code == 2 and "router.listen" in run.err
+    # Past the inventory's checks (a plugin, a hand-built spec): the driver refuses too.
+    inv = load_inventory(front["inv"])
+    evil = BackendSpec.model_construct(
+        kind="sglang", host="local", url="http://127.0.0.1:1/;}server{listen 9", gpus=[], tp_size=1
+    )
+    inv.spec.backends["baseline"] = evil  # type: ignore[index]
+    with TransportPool(inv) as pool:
+        router = NginxRouter(inv, inv.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        with pytest.raises(InputError, match="nginx fronts plain"):
+            router.render({"baseline": 100})
+
+
+def test_candidate_killed_mid_canary_rolls_back(
+    front: dict[str, Any], models: dict[str, Path], tmp_path: Path, report: Any
+) -> None:
+    victim = serve_reference(models["dsv3"])
+    data = json.loads(json.dumps(front["data"]))
+    data["backends"]["candidate"]["url"] = victim.url
+    inv = str(write_inventory(tmp_path / "victim.yaml", data))
+    killer = threading.Timer(3.0, victim.proc.kill)
+    with Load(front["url"]) as load:
+        killer.start()
+        run = kdctl(
+            "cutover",
+            "--to",
+            "candidate",
+            "--steps",
+            "50,100",
+            "--watch",
+            "8",
+            "--force",
+            "--yes",
+            "-i",
+            inv,
+            "--json",
+        )
+    victim.proc.wait(10)
+    assert run.code == 1, run.out + run.err
+    outcome = json.loads(run.out)
+    assert outcome["state"] == "rolled_back"
+    assert "SLO breach during the canary" in outcome["reason"]
+    assert outcome["router"]["weights"] == {"baseline": 100}
+    assert outcome["watches"] and "failed" in outcome["watches"][-1]
+    assert weights(front["include"]) == {"baseline": 100}
+    assert load.sent > 0
+    report(
+        f"candidate killed mid-canary: rolled back ({outcome['reason'][:120]}); the watch saw "
+        f"{outcome['watches'][-1]['failed']} failed probe requests, the client load "
+        f"{len(load.failures)} of {load.sent}"
+    )
+
+
+@pytest.fixture
+def sglang_router(reference_server: Served) -> Iterator[str]:
+    pytest.importorskip("sglang_router")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            reference_server.url,
+            "--policy",
+            "round_robin",
+            # Its metrics listener defaults to port 29000: a second router would collide.
+            "--prometheus-port",
+            str(free_port()),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/readiness", timeout=60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_sglang_router_blue_green_and_rollback(
+    sglang_router: str, reference_server: Served, twin_server: Served, tmp_path: Path
+) -> None:
+    host, port = sglang_router.removeprefix("http://").split(":")
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    inv = str(
+        write_inventory(
+            tmp_path / "inv.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": {
+                    "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
+                    "candidate": {
+                        "kind": "native",
+                        "mode": "http",
+                        "host": "local",
+                        "url": twin_server.url,
+                    },
+                },
+                "router": {
+                    "kind": "sglang-router",
+                    "host": "local",
+                    "listen": f"{host}:{port}",
+                    "serving": "baseline",
+                },
+                "roadmap": "roadmap.yaml",
+                "state_dir": "state",
+            },
+        )
+    )
+    plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv)
+    assert plan.code == 0 and "plan: blue-green" in plan.out and "has no weights" in plan.out
+    canary = kdctl("cutover", "--to", "candidate", "--strategy", "canary", "--dry-run", "-i", inv)
+    assert canary.code == 2 and "sglang-router has no traffic weights" in canary.err
+    with Load(sglang_router) as load:
+        run = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json")
+        assert run.code == 0, run.out + run.err
+        assert json.loads(run.out)["router"]["weights"] == {"candidate": 100}
+        back = kdctl("rollback", "--yes", "-i", inv, "--json")
+        assert back.code == 0, back.out + back.err
+    assert json.loads(back.out)["router"]["weights"] == {"baseline": 100}
+    workers = httpx.get(sglang_router + "/workers").json()["workers"]
+    assert [w["url"] for w in workers] == [reference_server.url]
+    assert load.sent > 10 and not load.failures, load.failures[:5]

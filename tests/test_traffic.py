@@ -393,3 +393,201 @@ def test_sglang_router_blue_green_and_rollback(
     workers = httpx.get(sglang_router + "/workers").json()["workers"]
     assert [w["url"] for w in workers] == [reference_server.url]
     assert load.sent > 10 and not load.failures, load.failures[:5]
+
+
+def _service(root: Path, name: str, model: Path, port: int) -> dict[str, Any]:
+    return {
+        "command": [
+            sys.executable,
+            "-m",
+            "kdctl",
+            "reference",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+        ],
+        "pidfile": str(root / f"{name}.pid"),
+        "log": str(root / f"{name}.log"),
+    }
+
+
+def test_swap_on_shared_gpus_stops_the_old_engine_first(
+    need_nginx: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two engines declared on the same GPU: the old one must stop before the new one starts.
+    A candidate failing its smoke gate (INT4, strict) is stopped and the old one restarted."""
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic import Journal
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    ports = {n: free_port() for n in ("baseline", "candidate", "candidate-int4", "front")}
+    root = tmp_path / "nginx"
+    root.mkdir()
+    include = root / "kdctl.conf"
+    backends = {
+        name: {
+            "kind": "sglang",
+            "host": "local",
+            "url": f"http://127.0.0.1:{ports[name]}",
+            "gpus": [0],
+            "service": _service(tmp_path, name, models[key], ports[name]),
+        }
+        for name, key in (
+            ("baseline", "dsv3"),
+            ("candidate", "dsv3"),
+            ("candidate-int4", "dsv3-int4"),
+        )
+    }
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    inv_path = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local", "gpus": 1}},
+            "backends": backends,
+            "router": {
+                "kind": "nginx",
+                "host": "local",
+                "listen": f"127.0.0.1:{ports['front']}",
+                "serving": "baseline",
+                "include": str(include),
+                "nginx": need_nginx,
+                "prefix": str(root),
+                "conf": str(root / "nginx.conf"),
+            },
+            "gates": {"exactness": {"max_new_tokens": 6, "top_k": 3, "mode": "strict"}},
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    inv = str(inv_path)
+    loaded = load_inventory(inv_path)
+    from kdctl.backends import make_backend
+
+    with TransportPool(loaded) as pool:
+        router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        include.write_text(router.render({"baseline": 100}))
+        with make_backend("baseline", loaded.backends["baseline"]) as be:
+            control = be.lifecycle(pool.get("local"))
+            control.start()
+            control.wait_ready(deadline_s=180)
+    pidfile = start_nginx(root, f"  include {include};", [ports["front"]])
+    try:
+        assert (
+            kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", inv).code == 0
+        )
+        plan = kdctl("cutover", "--to", "candidate-int4", "--dry-run", "-i", inv)
+        assert "plan: swap" in plan.out and "need the same GPUs" in plan.out
+        bad = kdctl(
+            "cutover",
+            "--to",
+            "candidate-int4",
+            "--force",
+            "--yes",
+            "-i",
+            inv,
+            "--json",
+            timeout=600,
+        )
+        assert bad.code == 1, bad.out + bad.err
+        outcome = json.loads(bad.out)
+        assert (
+            outcome["state"] == "rolled_back"
+            and "smoke gate failed: exactness fail" in outcome["reason"]
+        )
+        assert outcome["router"]["weights"] == {"baseline": 100}
+        assert not (tmp_path / "candidate-int4.pid").exists()
+        assert httpx.get(backends["baseline"]["url"] + "/health").status_code == 200
+
+        good = kdctl(
+            "cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json", timeout=600
+        )
+        assert good.code == 0, good.out + good.err
+        outcome = json.loads(good.out)
+        assert outcome["state"] == "succeeded" and outcome["router"]["weights"] == {
+            "candidate": 100
+        }
+        assert 0 < outcome["downtime_s"] < 300
+        assert not (tmp_path / "baseline.pid").exists()
+        with Journal(tmp_path / "state") as journal:
+            steps = [(s.kind, s.phase) for s in journal.get(outcome["id"]).steps]  # type: ignore[union-attr]
+        assert steps.index(("stop", "done")) < steps.index(("start", "started"))
+        assert steps[0] == ("force", "done")
+        # The front is open again, on the candidate.
+        r = httpx.get(f"http://127.0.0.1:{ports['front']}/health")
+        assert r.headers["x-kdctl-backend"] == "candidate"
+    finally:
+        stop_nginx(pidfile)
+        for name in backends:
+            pid = tmp_path / f"{name}.pid"
+            if pid.exists():
+                subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], check=False)
+
+
+def test_sigkill_after_each_journal_step_then_resume_or_rollback(front: dict[str, Any]) -> None:
+    """kdctl killed with SIGKILL right after each journal row in turn; `--resume` (odd rounds)
+    or `rollback` (even rounds) must leave the router matching the journal's last word."""
+    import sqlite3
+
+    from kdctl.traffic import Journal
+
+    inv = str(front["inv"])
+    state = front["inv"].parent / "state"
+    base = [sys.executable, "-m", "kdctl"]
+    # The forced preflight, then set-weights, watch, set-weights: each started and done.
+    rows_per_run = 7
+    for k in range(1, rows_per_run):
+        db = state / "traffic.sqlite"
+        before = 0
+        if db.exists():
+            with sqlite3.connect(db) as conn:
+                before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+        proc = subprocess.Popen(
+            [
+                *base,
+                "cutover",
+                "--to",
+                "candidate",
+                "--steps",
+                "50,100",
+                "--watch",
+                "1",
+                "--force",
+                "--yes",
+                "-i",
+                inv,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with sqlite3.connect(db) as conn:
+                    n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+            except sqlite3.OperationalError:
+                n = before  # the journal is still being created
+            if n - before >= k:
+                proc.kill()
+                break
+            time.sleep(0.005)
+        proc.wait(30)
+        with Journal(state) as journal:
+            open_one = journal.latest(state="running")
+        assert open_one is not None, f"round {k}: the cutover finished before the kill"
+        if k % 2:
+            run = kdctl("cutover", "--resume", "--yes", "-i", inv)
+            want = {"candidate": 100}
+        else:
+            run = kdctl("rollback", "--yes", "-i", inv)
+            want = {"baseline": 100}
+        assert run.code == 0, (k, run.out, run.err)
+        assert weights(front["include"]) == want, k
+        with Journal(state) as journal:
+            last = journal.get(open_one.id)
+        assert last is not None and last.state == ("succeeded" if k % 2 else "rolled_back"), k
+        if k % 2:
+            assert kdctl("rollback", "--yes", "-i", inv).code == 0
+        assert weights(front["include"]) == {"baseline": 100}

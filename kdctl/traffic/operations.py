@@ -158,6 +158,9 @@ def rollback(inv: LoadedInventory, *, confirm: Confirm) -> tuple[str, RouterStat
             )
             live = router.read()
             if live.weights == {record.from_backend: 100} and not live.draining:
+                # Nothing to write, but an interrupted cutover still ends here, in the journal.
+                if record.state == "running":
+                    journal.finish(record.id, "rolled_back", "kdctl rollback: router unchanged")
                 return record.from_backend, live
             if not confirm(
                 f"Roll back to {record.from_backend} (the router now sends {live.weights})?"

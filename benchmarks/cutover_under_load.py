@@ -275,7 +275,7 @@ def main() -> None:
             print(f"  errors: {r['errors']}")
     ok = all(r["failed"] == 0 for r in results.values())
     ng = results.get("nginx")
-    fast = ng is None or (float(ng["switch_s"]) < 1.0 and float(ng["rollback_s"]) < 1.0)  # type: ignore[arg-type]
+    fast = ng is None or (float(ng["switch_s"]) < 1.0 and float(ng["rollback_s"]) < 1.0)
     print(
         f"targets: 0 failed: {'met' if ok else 'MISSED'}; nginx switch and rollback < 1 s: "
         f"{'met' if fast else 'MISSED'}"

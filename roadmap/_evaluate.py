@@ -254,7 +254,6 @@ def _criterion(
     now: datetime,
 ) -> CriterionStatus:
     window = parse_duration(c.spec.freshness) if c.spec.freshness else freshness_window(inv, c.gate)
-    pinned = c.spec.settings
     base: dict[str, Any] = {
         "name": c.name,
         "phase": c.phase,
@@ -274,7 +273,7 @@ def _criterion(
             met=False,
             state="missing",
             reason=f"no {c.gate} result for {c.backend}{against}"
-            + (" with these settings" if pinned else ""),
+            + (" with these settings" if c.spec.settings else ""),
         )
     evidence = {
         "evidence_id": result.id,

@@ -14,7 +14,7 @@ from typing import ClassVar
 import httpx
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
-from kdctl.errors import InputError
+from kdctl.errors import InputError, KdctlError
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
 
 # What may reach the file: every value is checked against these before rendering, so no
@@ -92,10 +92,9 @@ class NginxRouter(Router):
             local = Path(tmp) / "kdctl.conf"
             try:
                 self.transport.get(self.spec.include, local)
-            except Exception as exc:
-                raise RouterError(
-                    f"nginx on {self.spec.host}: cannot read {self.spec.include}: {exc}"
-                ) from None
+            except KdctlError as exc:
+                # The transport's message names the host, the path and why.
+                raise RouterError(f"nginx: {exc}") from None
             text = local.read_text()
         return parse_config(text, source=f"{self.spec.host}:{self.spec.include}")
 

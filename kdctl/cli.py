@@ -117,6 +117,13 @@ def status(
         raise typer.Exit(3)
 
 
+TargetOpt = Annotated[
+    str | None, typer.Option("--target", help="The phase to reach [default: the roadmap's].")
+]
+CandidateOpt = Annotated[
+    str | None,
+    typer.Option("--candidate", help="Judge another backend by the roadmap's criteria."),
+]
 RoadmapOpt = Annotated[
     Path | None,
     typer.Option("--roadmap", help="Roadmap file [default: the inventory's roadmap:]"),
@@ -129,13 +136,8 @@ def phases(
     state_dir: StateDirOpt = None,
     roadmap: RoadmapOpt = None,
     json_: JsonOpt = False,
-    target: Annotated[
-        str | None, typer.Option("--target", help="The phase to reach [default: the roadmap's].")
-    ] = None,
-    candidate: Annotated[
-        str | None,
-        typer.Option("--candidate", help="Judge another backend by the roadmap's criteria."),
-    ] = None,
+    target: TargetOpt = None,
+    candidate: CandidateOpt = None,
     run: Annotated[
         bool,
         typer.Option("--run", help="First run the gate behind every unmet criterion."),
@@ -191,13 +193,8 @@ def report(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write into.")] = Path(
         "kdctl-report"
     ),
-    target: Annotated[
-        str | None, typer.Option("--target", help="The phase to reach [default: the roadmap's].")
-    ] = None,
-    candidate: Annotated[
-        str | None,
-        typer.Option("--candidate", help="Judge another backend by the roadmap's criteria."),
-    ] = None,
+    target: TargetOpt = None,
+    candidate: CandidateOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """The readiness report for CI. Exit 0 when the target phase is reachable now, 1 when not."""

@@ -93,16 +93,7 @@ def roadmap_path(inv: LoadedInventory, override: Path | None = None) -> Path | N
 
 
 def load_roadmap(path: Path, inv: LoadedInventory) -> Roadmap:
-    source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{source}: no such roadmap file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{source}: cannot read roadmap: {exc}") from None
-    doc = _yaml.parse(text, source)
-    if not isinstance(doc.data, dict):
-        raise InputError(f"{source}:1: a roadmap must be a mapping with 'title' and 'phases'")
+    doc = _yaml.read_mapping(path, "roadmap", "'title', 'serving', 'candidate' and 'phases'")
     try:
         spec = RoadmapSpec.model_validate(doc.data)
     except ValidationError as exc:

@@ -73,16 +73,7 @@ def resolve_inventory_path(option: str | Path | None) -> Path:
 
 def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> LoadedInventory:
     """Load and check an inventory; raise InputError listing every problem found."""
-    source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{source}: no such inventory file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{source}: cannot read inventory: {exc}") from None
-    doc = _yaml.parse(text, source)
-    if not isinstance(doc.data, dict):
-        raise InputError(f"{source}:1: the inventory must be a mapping with at least 'hosts'")
+    doc = _yaml.read_mapping(path, "inventory", "at least 'hosts'")
 
     try:
         spec = Inventory.model_validate(doc.data)

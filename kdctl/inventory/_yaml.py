@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -82,3 +83,19 @@ def parse(text: str, source: str) -> Document:
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: invalid YAML: {exc}") from None
     return Document(data=data, root=root, source=source)
+
+
+def read_mapping(path: Path, what: str, shape: str) -> Document:
+    """Read and parse a YAML file that must hold one mapping; errors name the file (and the
+    line): `what` is the kind of file, `shape` what its top level must hold."""
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{source}: no such {what} file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{source}: cannot read {what}: {exc}") from None
+    doc = parse(text, source)
+    if not isinstance(doc.data, dict):
+        raise InputError(f"{source}:1: the {what} must be a mapping with {shape}")
+    return doc

@@ -1,7 +1,13 @@
 """kdctl's load generator: streamed requests at a fixed concurrency or on Poisson arrivals,
 measured as `vllm bench serve` measures them, through each backend's own protocol."""
 
-from kdctl.load._clients import CLIENTS, RequestFailed, StreamClient, client_class
+from kdctl.load._clients import (
+    CLIENTS,
+    LineSplitter,
+    RequestFailed,
+    StreamClient,
+    client_class,
+)
 from kdctl.load._runner import LoadPlan, Progress, arrival_offsets, run_load
 from kdctl.load._stats import SLO, BenchMetrics, RequestRecord, Stats, percentile
 
@@ -9,6 +15,7 @@ __all__ = [
     "CLIENTS",
     "SLO",
     "BenchMetrics",
+    "LineSplitter",
     "LoadPlan",
     "Progress",
     "RequestFailed",

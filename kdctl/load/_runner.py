@@ -124,6 +124,7 @@ async def _run(
     cls = client_class(plan.client)
     client = cls(bearer(backend.api_key), connections=plan.max_concurrency, timeout=plan.timeout_s)
     gate = asyncio.Semaphore(plan.max_concurrency)
+    froze = False
 
     async def limited(req: GenerateRequest, rec: RequestRecord) -> None:
         async with gate:
@@ -145,9 +146,12 @@ async def _run(
 
         # What exists now (the requests, their records, the imported modules) lives through
         # the run: kept out of the collector's full passes, which otherwise rescan all of it
-        # while streams wait, as `vllm bench serve` does with its heap.
-        gc.collect()
-        gc.freeze()
+        # while streams wait, as `vllm bench serve` does with its heap. Not where the caller
+        # froze a heap of its own: unfreezing afterwards would undo theirs.
+        if gc.get_freeze_count() == 0:
+            gc.collect()
+            gc.freeze()
+            froze = True
         t0 = time.perf_counter()
         tasks = []
         for req, rec, offset in zip(requests, records, offsets, strict=True):
@@ -160,7 +164,8 @@ async def _run(
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     finally:
-        gc.unfreeze()
+        if froze:
+            gc.unfreeze()
         await client.aclose()
     return records, duration, cls.name
 

@@ -209,6 +209,9 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
     outcome = json.loads(canary.out)
     assert outcome["state"] == "succeeded" and outcome["router"]["weights"] == {"candidate": 100}
     assert [w["failed"] for w in outcome["watches"]] == [0, 0]
+    # The candidate's own counters saw the canary's share of the traffic.
+    assert all(w["engine_requests"] > 0 for w in outcome["watches"]), outcome["watches"]
+    assert all(w["engine_ttft_mean_ms"] > 0 for w in outcome["watches"])
     assert load.sent > 30 and not load.failures, load.failures[:5]
     assert load.served_by.get("baseline") and load.served_by.get("candidate")
 
@@ -591,3 +594,25 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(front: dict[str
         if k % 2:
             assert kdctl("rollback", "--yes", "-i", inv).code == 0
         assert weights(front["include"]) == {"baseline": 100}
+
+
+def test_drain_answers_503_with_retry_after(front: dict[str, Any]) -> None:
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    inv = load_inventory(front["inv"])
+    with TransportPool(inv) as pool:
+        router = NginxRouter(inv, inv.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        assert router.drain().draining
+        deadline = time.monotonic() + 10
+        while True:  # the reload's new workers take over shortly after it returns
+            r = httpx.get(front["url"] + "/generate")
+            if r.status_code == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.headers["retry-after"] == "30"
+        status = kdctl("status", "-i", str(front["inv"]), "--json")
+        assert json.loads(status.out)["traffic"]["draining"] is True
+        assert router.apply({"baseline": 100}).weights == {"baseline": 100}
+    assert httpx.get(front["url"] + "/health").headers["x-kdctl-backend"] == "baseline"

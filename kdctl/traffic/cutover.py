@@ -245,6 +245,7 @@ class Runner:
         front = BackendSpec(kind="sglang", host=self.router.spec.host, url=self.router.front_url)
         be = make_backend("router-front", front)
         assert isinstance(be, HttpBackend)
+        engine_before = _engine_totals(self.inv, plan.to_backend)
         deadline = time.monotonic() + seconds
         failed = sent = 0
         worst_ttft = worst_itl = 0.0
@@ -276,9 +277,31 @@ class Runner:
                     raise RouterError("SLO breach during the canary: " + "; ".join(broke))
         finally:
             be.close()
-        self.watches.append(
-            {"sent": sent, "failed": failed, "ttft_p99_ms": worst_ttft, "itl_p99_ms": worst_itl}
-        )
+        watch: dict[str, Any] = {
+            "sent": sent,
+            "failed": failed,
+            "ttft_p99_ms": worst_ttft,
+            "itl_p99_ms": worst_itl,
+        }
+        # The candidate's own view of the window: how many requests it served (all traffic,
+        # not only the probe's), and their mean TTFT from its histogram.
+        engine_after = _engine_totals(self.inv, plan.to_backend)
+        if engine_before is not None and engine_after is not None:
+            served = engine_after.get(_REQUESTS, 0.0) - engine_before.get(_REQUESTS, 0.0)
+            count = engine_after.get(_TTFT_COUNT, 0.0) - engine_before.get(_TTFT_COUNT, 0.0)
+            total = engine_after.get(_TTFT_SUM, 0.0) - engine_before.get(_TTFT_SUM, 0.0)
+            watch["engine_requests"] = served
+            if count > 0:
+                mean_ms = total / count * 1000
+                watch["engine_ttft_mean_ms"] = round(mean_ms, 2)
+                slo = settings.slo_ttft_ms
+                if slo is not None and mean_ms > slo:
+                    self.watches.append(watch)
+                    raise RouterError(
+                        f"SLO breach during the canary: {plan.to_backend}'s own mean TTFT "
+                        f"{mean_ms:.0f} ms over the window exceeds the SLO of {slo:g} ms"
+                    )
+        self.watches.append(watch)
         return (
             f"{sent} probe requests, {failed} failed, "
             f"TTFT p99 {worst_ttft:.0f} ms, ITL p99 {worst_itl:.1f} ms"
@@ -296,6 +319,28 @@ class Runner:
             self.downtime_s = round(time.monotonic() - self.drained_at, 3)
         self.journal.finish(cid, "rolled_back", reason)
         return "rolled_back"
+
+
+_REQUESTS = "sglang:num_requests_total"
+_TTFT_SUM = "sglang:time_to_first_token_seconds_sum"
+_TTFT_COUNT = "sglang:time_to_first_token_seconds_count"
+
+
+def _engine_totals(inv: LoadedInventory, name: str) -> dict[str, float] | None:
+    """The engine's request counter and TTFT histogram totals (summed over labels), from its
+    Prometheus metrics; None when it exports none or does not answer."""
+    spec = inv.backends[name]
+    try:
+        with make_backend(name, spec, api_key=inv.api_key(name), timeout=5) as be:
+            families = be.metrics()
+    except KdctlError:
+        return None
+    totals: dict[str, float] = {}
+    for family in families.values():
+        for sample in family.samples:
+            if sample.name in (_REQUESTS, _TTFT_SUM, _TTFT_COUNT):
+                totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+    return totals or None
 
 
 def _breaches(m: BenchMetrics, ttft_ms: float | None, itl_ms: float | None) -> list[str]:

@@ -32,6 +32,10 @@ evidence_app = typer.Typer(
     help="Recorded gate results and baselines: list, show, export, import.", no_args_is_help=True
 )
 app.add_typer(evidence_app, name="evidence")
+sandbox_app = typer.Typer(
+    help="The embedded default: engines and a router on this machine.", no_args_is_help=True
+)
+app.add_typer(sandbox_app, name="sandbox")
 reference_app = typer.Typer(
     help="The reference model and server (needs the `reference` extra).", no_args_is_help=True
 )
@@ -581,6 +585,54 @@ def evidence_import(
         _print_json({"file": str(file), "added": added, "already_present": skipped})
     else:
         out.print(f"{file}: {added} record(s) added, {skipped} already present", markup=False)
+
+
+SandboxDirOpt = Annotated[
+    Path, typer.Option("--dir", help="The sandbox's folder: models, pidfiles, logs, state.")
+]
+
+
+def _sandbox_out(st: Any, json_: bool) -> None:
+    if json_:
+        _print_json(st.model_dump(mode="json") | {"up": st.up})
+        return
+    for p in st.processes:
+        state = f"running, pid {p.pid}" if p.running else "stopped"
+        out.print(f"{p.name:<16} {state:<20} {p.url or ''}", markup=False)
+    out.print(f"inventory: {st.inventory}", markup=False)
+
+
+@sandbox_app.command("up")
+def sandbox_up(
+    dir_: SandboxDirOpt = Path("sandbox"),
+    json_: JsonOpt = False,
+) -> None:
+    """Make the models and start the engines and the router, reusing whatever already runs."""
+    from kdctl.render import progress_bars
+    from kdctl.sandbox import up
+
+    with progress_bars(err, not json_) as progress:
+        st = up(dir_, progress=progress)
+    _sandbox_out(st, json_)
+
+
+@sandbox_app.command("status")
+def sandbox_status(dir_: SandboxDirOpt = Path("sandbox"), json_: JsonOpt = False) -> None:
+    """Which of the sandbox's processes run. Exit 1 when any is stopped."""
+    from kdctl.sandbox import status
+
+    st = status(dir_)
+    _sandbox_out(st, json_)
+    if not st.up:
+        raise typer.Exit(1)
+
+
+@sandbox_app.command("down")
+def sandbox_down(dir_: SandboxDirOpt = Path("sandbox"), json_: JsonOpt = False) -> None:
+    """Stop everything `sandbox up` started, by its pidfiles."""
+    from kdctl.sandbox import down
+
+    _sandbox_out(down(dir_), json_)
 
 
 @reference_app.command("make-model")

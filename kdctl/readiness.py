@@ -24,7 +24,7 @@ from kdctl.checks._gate import (
     with_settings,
 )
 from kdctl.checks.result import GateResult, utcnow
-from kdctl.errors import InputError
+from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore, freshness
 from kdctl.evidence.freshness import age_text
 from kdctl.gating import Identity, identify_backends, run_gates
@@ -35,6 +35,7 @@ from kdctl.roadmap import (
     load_roadmap,
     roadmap_path,
 )
+from kdctl.transports import TransportPool
 
 Speed = Literal["yes", "no", "unmeasured"]
 
@@ -145,7 +146,7 @@ def assess(
     now = now or utcnow()
     path = roadmap_path(inv, roadmap)
     loaded = load_roadmap(path, inv) if path is not None else None
-    serving = inv.spec.router.serving if inv.spec.router else None
+    serving, weight, source = _live_serving(inv)
     if candidate is not None and candidate not in inv.backends:
         known = ", ".join(sorted(inv.backends))
         raise InputError(f"unknown backend {candidate!r} (known: {known})")
@@ -172,7 +173,9 @@ def assess(
         if not cand.live:
             blocking.append(f"{report.candidate} is not answering: {cand.note}")
     answers = Answers(
-        serving=_serving(inv, store, serving, identities, now),
+        serving=_serving(inv, store, serving, identities, now).model_copy(
+            update={"weight": weight, "source": source}
+        ),
         remaining_phases=[f"{p.id} ({p.status})" for p in report.remaining] if report else [],
         cutover=CutoverAnswer(
             candidate=report.candidate if report else candidate,
@@ -182,6 +185,25 @@ def assess(
         ),
     )
     return Readiness(answers=answers, phases=report, identities=identities)
+
+
+def _live_serving(inv: LoadedInventory) -> tuple[str | None, int | None, str]:
+    """The backend with the largest share of traffic as the router itself says, else the
+    inventory's `router.serving`."""
+    from kdctl.traffic import make_router  # traffic's preflight asks this module, not back
+
+    router = inv.spec.router
+    if router is None:
+        return None, None, "inventory"
+    try:
+        with TransportPool(inv) as pool:
+            state = make_router(inv, pool).read()
+    except KdctlError:
+        return router.serving, 100, "inventory"
+    if not state.weights:
+        return None, None, state.source
+    name, weight = max(state.weights.items(), key=lambda kv: kv[1])
+    return name, weight, state.source
 
 
 def _serving(

@@ -1,0 +1,315 @@
+"""`kdctl sandbox`: the embedded default. On this machine, on loopback: the tiny Kimi-K2
+architecture model (deepseek_v3) and its INT4 W4A16 variant, three reference servers as the
+engines (`baseline` speaks for SGLang, `candidate` is the native engine on the same weights,
+`candidate-int4` the native engine on the quantized ones), and a router in front: nginx when it
+is installed, else SGLang's router. Every process is started through a pidfile kdctl owns, so
+`down` stops exactly what `up` started; `up` again reuses what runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel
+
+from kdctl.backends import make_backend
+from kdctl.errors import InfraError, InputError
+from kdctl.inventory import LoadedInventory, load_inventory
+from kdctl.transports import TransportPool
+
+ENGINES = {
+    "baseline": ("sglang", "tiny-deepseek-v3", 30000),
+    "candidate": ("native", "tiny-deepseek-v3", 31000),
+    "candidate-int4": ("native", "tiny-deepseek-v3-w4a16", 31001),
+}
+FRONT_PORT = 8000
+
+
+class ProcessState(BaseModel):
+    name: str
+    pid: int | None
+    running: bool
+    url: str | None = None
+
+
+class SandboxStatus(BaseModel):
+    dir: str
+    inventory: str
+    router: Literal["nginx", "sglang-router"]
+    processes: list[ProcessState]
+
+    @property
+    def up(self) -> bool:
+        return all(p.running for p in self.processes)
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _router_kind() -> Literal["nginx", "sglang-router"]:
+    if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
+        return "nginx"
+    import importlib.util
+
+    if importlib.util.find_spec("sglang_router") is None:
+        raise InputError(
+            "the sandbox needs a router: install nginx (apt-get install nginx) or the "
+            "router extra (pip install 'kdctl[router]')"
+        )
+    return "sglang-router"
+
+
+def _inventory(root: Path, router: str) -> dict[str, Any]:
+    """The top-level inventory.yaml's setup, with the absolute paths of this folder."""
+    shipped = Path(__file__).resolve().parent.parent / "inventory.yaml"
+    base: dict[str, Any] = yaml.safe_load(shipped.read_text()) if shipped.is_file() else {}
+    backends = {}
+    for name, (kind, model, port) in ENGINES.items():
+        spec: dict[str, Any] = {
+            "kind": kind,
+            "host": "local",
+            "url": f"http://127.0.0.1:{port}",
+            "tp_size": 1,
+            "model": str(root / "models" / model),
+            "service": {
+                "command": [
+                    sys.executable,
+                    "-m",
+                    "kdctl",
+                    "reference",
+                    "serve",
+                    "--model",
+                    str(root / "models" / model),
+                    "--port",
+                    str(port),
+                    "--served-model-name",
+                    model,
+                ],
+                "pidfile": str(root / "run" / f"{name}.pid"),
+                "log": str(root / "log" / f"{name}.log"),
+            },
+        }
+        if kind == "native":
+            spec["mode"] = "http"
+        backends[name] = spec
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    router_spec: dict[str, Any] = {
+        "kind": router,
+        "host": "local",
+        "listen": f"127.0.0.1:{FRONT_PORT}",
+        "serving": "baseline",
+    }
+    if router == "nginx":
+        router_spec.update(
+            include=str(root / "nginx" / "kdctl.conf"),
+            nginx=nginx,
+            prefix=str(root / "nginx"),
+            conf=str(root / "nginx" / "nginx.conf"),
+        )
+    return {
+        "hosts": {"local": {"transport": "local"}},
+        "backends": backends,
+        "router": router_spec,
+        "gates": base.get("gates", {}),
+        "roadmap": str(Path(__file__).resolve().parent.parent / "roadmap" / "sandbox.yaml"),
+        "state_dir": str(root / "state"),
+    }
+
+
+def _nginx_main(root: Path) -> str:
+    temp = "\n".join(
+        f"  {kind}_temp_path {root / 'nginx' / 'tmp' / kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    return (
+        "worker_processes 1;\n"
+        f"pid {root / 'nginx' / 'nginx.pid'};\n"
+        f"error_log {root / 'nginx' / 'error.log'} warn;\n"
+        "events { worker_connections 1024; }\n"
+        "http {\n  access_log off;\n"
+        f"{temp}\n  include {root / 'nginx' / 'kdctl.conf'};\n}}\n"
+    )
+
+
+def up(root: Path, *, progress: Any = None) -> SandboxStatus:
+    root = root.resolve()
+    for sub in ("models", "run", "log", "nginx/tmp", "state"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    router = _router_kind()
+    inv_path = root / "inventory.yaml"
+    inv_path.write_text(yaml.safe_dump(_inventory(root, router), sort_keys=False))
+    _make_models(root, progress)
+    inv = load_inventory(inv_path)
+    with TransportPool(inv) as pool, ExitStack() as open_backends:
+        # Started together, then waited for: the three load their weights side by side.
+        controls = []
+        for name in ENGINES:
+            be = open_backends.enter_context(make_backend(name, inv.backends[name]))
+            control = be.lifecycle(pool.get("local"))
+            control.start()  # a running one is left as it is
+            controls.append(control)
+        for i, control in enumerate(controls):
+            if progress:
+                progress("engines ready", i, len(controls))
+            control.wait_ready(deadline_s=300)
+        if progress:
+            progress("engines ready", len(controls), len(controls))
+        _start_router(inv, root, router, pool)
+    return status(root)
+
+
+def _make_models(root: Path, progress: Any) -> None:
+    from kdctl.backends.reference.model import make_model
+
+    plain = root / "models" / "tiny-deepseek-v3"
+    quant = root / "models" / "tiny-deepseek-v3-w4a16"
+    if not (plain / "config.json").exists():
+        if progress:
+            progress("models", 0, 2)
+        make_model("deepseek_v3", plain)
+    if not (quant / "config.json").exists():
+        if progress:
+            progress("models", 1, 2)
+        make_model("deepseek_v3", quant, quantize="w4a16", group_size=16, from_model=plain)
+    if progress:
+        progress("models", 2, 2)
+
+
+def _start_router(inv: LoadedInventory, root: Path, router: str, pool: TransportPool) -> None:
+    if router == "nginx":
+        from kdctl.traffic.nginx import NginxRouter
+
+        pidfile = root / "nginx" / "nginx.pid"
+        include = root / "nginx" / "kdctl.conf"
+        if not include.exists():
+            assert inv.spec.router is not None
+            include.write_text(
+                NginxRouter(inv, inv.spec.router, pool.get("local")).render({"baseline": 100})
+            )
+        conf = root / "nginx" / "nginx.conf"
+        conf.write_text(_nginx_main(root))
+        if _alive(_pid(pidfile)):
+            return
+        nginx = inv.spec.router.nginx if inv.spec.router else "nginx"
+        run = subprocess.run(
+            [nginx, "-p", str(root / "nginx"), "-c", str(conf)], capture_output=True, text=True
+        )
+        if run.returncode != 0:
+            raise InfraError(f"nginx did not start: {run.stderr.strip()[-400:]}")
+    else:
+        pidfile = root / "run" / "router.pid"
+        if _alive(_pid(pidfile)):
+            return
+        log = (root / "log" / "router.log").open("ab")
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(FRONT_PORT),
+                "--worker-urls",
+                "http://127.0.0.1:30000",
+                "--policy",
+                "round_robin",
+                "--prometheus-port",
+                "29100",
+            ],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+        pidfile.write_text(f"{proc.pid}\n")
+    _wait_port(FRONT_PORT)
+
+
+def _wait_port(port: int, deadline_s: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise InfraError(f"the sandbox's router did not listen on 127.0.0.1:{port}")
+
+
+def _router_pidfile(root: Path) -> Path:
+    nginx = root / "nginx" / "nginx.pid"
+    return nginx if nginx.exists() else root / "run" / "router.pid"
+
+
+def status(root: Path) -> SandboxStatus:
+    root = root.resolve()
+    inv_path = root / "inventory.yaml"
+    if not inv_path.exists():
+        raise InputError(f"{root}: no sandbox here (kdctl sandbox up --dir {root})")
+    data = yaml.safe_load(inv_path.read_text())
+    procs = []
+    for name, (_, _, port) in ENGINES.items():
+        pid = _pid(root / "run" / f"{name}.pid")
+        procs.append(
+            ProcessState(name=name, pid=pid, running=_alive(pid), url=f"http://127.0.0.1:{port}")
+        )
+    pid = _pid(_router_pidfile(root))
+    procs.append(
+        ProcessState(
+            name=data["router"]["kind"],
+            pid=pid,
+            running=_alive(pid),
+            url=f"http://127.0.0.1:{FRONT_PORT}",
+        )
+    )
+    return SandboxStatus(
+        dir=str(root), inventory=str(inv_path), router=data["router"]["kind"], processes=procs
+    )
+
+
+def down(root: Path) -> SandboxStatus:
+    """Stop everything `up` started, by its pidfile: the engines (their whole process groups),
+    then the router; nothing else is touched."""
+    root = root.resolve()
+    current = status(root)
+    inv = load_inventory(root / "inventory.yaml")
+    with TransportPool(inv) as pool:
+        for name in ENGINES:
+            with make_backend(name, inv.backends[name]) as be:
+                be.lifecycle(pool.get("local")).stop()
+    router_pidfile = _router_pidfile(root)
+    pid = _pid(router_pidfile)
+    if _alive(pid):
+        assert pid is not None
+        # nginx: SIGQUIT is its graceful shutdown; the router leads its own session.
+        os.kill(pid, signal.SIGQUIT if current.router == "nginx" else signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    router_pidfile.unlink(missing_ok=True)
+    return status(root)

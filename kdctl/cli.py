@@ -605,14 +605,20 @@ def _sandbox_out(st: Any, json_: bool) -> None:
 @sandbox_app.command("up")
 def sandbox_up(
     dir_: SandboxDirOpt = Path("sandbox"),
+    router: Annotated[
+        str, typer.Option("--router", help="auto (nginx when installed), nginx, sglang-router.")
+    ] = "auto",
     json_: JsonOpt = False,
 ) -> None:
     """Make the models and start the engines and the router, reusing whatever already runs."""
+    from kdctl.errors import InputError
     from kdctl.render import progress_bars
     from kdctl.sandbox import up
 
+    if router not in ("auto", "nginx", "sglang-router"):
+        raise InputError(f"--router: {router!r} is not one of auto, nginx, sglang-router")
     with progress_bars(err, not json_) as progress:
-        st = up(dir_, progress=progress)
+        st = up(dir_, router_choice=router, progress=progress)  # type: ignore[arg-type]
     _sandbox_out(st, json_)
 
 

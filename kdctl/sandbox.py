@@ -153,11 +153,23 @@ def _nginx_main(root: Path) -> str:
     )
 
 
-def up(root: Path, *, progress: Any = None) -> SandboxStatus:
+RouterChoice = Literal["auto", "nginx", "sglang-router"]
+
+
+def up(root: Path, *, router_choice: RouterChoice = "auto", progress: Any = None) -> SandboxStatus:
     root = root.resolve()
     for sub in ("models", "run", "log", "nginx/tmp", "state"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    router = _router_kind()
+    existing = root / "inventory.yaml"
+    if existing.exists():
+        # Reused as it is: a second `up` must not swap the router under running engines.
+        router = yaml.safe_load(existing.read_text())["router"]["kind"]
+        if router_choice not in ("auto", router):
+            raise InputError(
+                f"{root} already runs with {router}; kdctl sandbox down --dir {root} first"
+            )
+    else:
+        router = _router_kind() if router_choice == "auto" else router_choice
     inv_path = root / "inventory.yaml"
     inv_path.write_text(yaml.safe_dump(_inventory(root, router), sort_keys=False))
     _make_models(root, progress)

@@ -44,3 +44,29 @@ def test_sandbox_up_reuse_and_down(tmp_path: Path, need_nginx: str) -> None:
     assert not any(p["running"] for p in json.loads(down.out)["processes"])
     assert not any(_alive(pid) for pid in pids.values())
     assert kdctl("sandbox", "status", "--dir", str(root)).code == 1
+
+
+def test_sandbox_with_sglang_router_cuts_over_blue_green(tmp_path: Path) -> None:
+    """Where nginx is missing the sandbox fronts its engines with SGLang's router, which has no
+    weights: the same cutover becomes blue-green."""
+    pytest.importorskip("sglang_router")
+    root = tmp_path / "sandbox"
+    up = kdctl(
+        "sandbox", "up", "--dir", str(root), "--router", "sglang-router", "--json", timeout=600
+    )
+    try:
+        assert up.code == 0, up.out + up.err
+        assert json.loads(up.out)["router"] == "sglang-router"
+        inv = str(root / "inventory.yaml")
+        plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv)
+        assert "plan: blue-green" in plan.out, plan.out + plan.err
+        run = kdctl(
+            "cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json", timeout=300
+        )
+        assert run.code == 0, run.out + run.err
+        assert json.loads(run.out)["router"]["weights"] == {"candidate": 100}
+        status = kdctl("status", "-i", inv, "--json")
+        assert json.loads(status.out)["answers"]["serving"]["backend"] == "candidate"
+    finally:
+        down = kdctl("sandbox", "down", "--dir", str(root), "--json")
+    assert down.code == 0 and not any(p["running"] for p in json.loads(down.out)["processes"])

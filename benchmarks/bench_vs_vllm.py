@@ -1,0 +1,263 @@
+"""kdctl's throughput measurement against vLLM's own `vllm bench serve`: one vLLM CPU server,
+one workload, both clients in turn.
+
+A tiny Llama made here (`kdctl reference make-model`; its weights do not change how fast it
+runs) is served by vLLM's CPU build on loopback. The workload: 200 prompts (--prompts) of 128
+random token ids, 64 output tokens each with ignore_eos, at most 8 in flight, greedy, after 8
+warm-up requests (the gate's default: one per slot) that count for neither. vLLM's client runs
+it with its random dataset, `--ignore-eos`, `--num-warmups 8` and `--save-result`, whose JSON
+is read back; kdctl as the throughput gate does (`checks.throughput.build_requests` and
+`measure`, backend kind `openai`). The two alternate, round after round, so machine noise lands
+on both, and each figure is the median over the rounds.
+
+The server does the same work for both. The prompts are the same: vLLM's random dataset sends
+its random token ids decoded to text, which the server must tokenize again (token ids it would
+take as they are), so kdctl's workload names a prompt file holding the very prompts vLLM's
+client sends in that round, drawn by vLLM's own dataset code with the same seed; the prompt
+tokens each request carried, as the server counted them, are printed for both. kdctl's
+`openai` backend asks for one logprob and the output's token ids (that is how it reads them),
+so vLLM's client asks for the same (`--logprobs 1`, `--extra-body`), with temperature 0 and
+top_p 1 on both sides. Prefix caching is off, so a prompt sent again (by the warm-up, a later
+round, or vLLM's random prompts, which can repeat) costs what it cost the first time.
+
+Figures printed: output token throughput, median TTFT and median ITL of each round and their
+medians; kdctl's over vLLM's.
+Targets: throughput within 5%, median TTFT and ITL within 15%.
+Run: python benchmarks/bench_vs_vllm.py [--rounds 3] [--prompts 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks._vllm import (  # noqa: E402
+    bench_serve,
+    make_tiny_llama,
+    random_prompts,
+    require_vllm,
+    vllm_server,
+)
+from kdctl.backends import make_backend  # noqa: E402
+from kdctl.checks._gate import GateContext  # noqa: E402
+from kdctl.checks.throughput import build_requests, measure  # noqa: E402
+from kdctl.inventory import LoadedInventory  # noqa: E402
+from kdctl.inventory.models import Inventory  # noqa: E402
+
+SERVED = "tiny"
+INPUT_LEN = 128
+OUTPUT_LEN = 64
+CONCURRENCY = 8
+# (figure, how far kdctl's may be from vLLM's, as a fraction)
+TARGETS = (("output tok/s", 0.05), ("median TTFT ms", 0.15), ("median ITL ms", 0.15))
+
+
+@dataclass
+class Run:
+    tool: str
+    round: int
+    tok_s: float
+    ttft_ms: float
+    itl_ms: float
+    prompt_tokens: float  # per request, as the server's usage counted them
+    output_tokens: int
+    failed: int
+    duration_s: float
+
+    def figure(self, name: str) -> float:
+        return {
+            "output tok/s": self.tok_s,
+            "median TTFT ms": self.ttft_ms,
+            "median ITL ms": self.itl_ms,
+        }[name]
+
+
+def kdctl_run(url: str, prompts: int, prompt_file: Path, work: Path, n: int) -> Run:
+    """The throughput gate's own path, on an inventory naming the vLLM server and a workload
+    whose prompts are the ones vLLM's client sends in the same round."""
+    spec = Inventory.model_validate(
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "vllm": {
+                    "kind": "openai",
+                    "host": "local",
+                    "url": url,
+                    "served_model_name": SERVED,
+                }
+            },
+            "gates": {
+                "throughput": {
+                    "workload": {
+                        "input_len": INPUT_LEN,
+                        "output_len": OUTPUT_LEN,
+                        "concurrency": [CONCURRENCY],
+                        "num_prompts": prompts,
+                        "prompts": str(prompt_file),
+                        "ignore_eos": True,
+                    }
+                }
+            },
+        }
+    )
+    inv = LoadedInventory(spec=spec, path=work / "inventory.yaml", state_dir=work / "state")
+    ctx = GateContext(
+        inventory=inv,
+        backend=lambda name: make_backend(name, inv.backends[name]),
+        baseline_lookup=lambda *_: None,
+    )
+    settings = spec.gates.throughput
+    requests, _ = build_requests(ctx, settings)
+    with ctx.backend("vllm") as be:
+        (m,) = measure(ctx, be, settings, requests)
+    if m.ttft_ms.p50 is None or m.itl_ms.p50 is None:
+        raise SystemExit(f"kdctl's run measured nothing: {m.errors}")
+    return Run(
+        tool="kdctl",
+        round=n,
+        tok_s=m.output_throughput,
+        ttft_ms=m.ttft_ms.p50,
+        itl_ms=m.itl_ms.p50,
+        prompt_tokens=m.total_input_tokens / max(m.completed, 1),
+        output_tokens=m.total_output_tokens,
+        failed=m.failed,
+        duration_s=m.duration_s,
+    )
+
+
+def vllm_run(url: str, model: Path, prompts: int, seed: int, work: Path, n: int) -> Run:
+    r = bench_serve(
+        url,
+        [
+            "--backend",
+            "openai",
+            "--model",
+            str(model),
+            "--served-model-name",
+            SERVED,
+            "--tokenizer",
+            str(model),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(INPUT_LEN),
+            "--random-output-len",
+            str(OUTPUT_LEN),
+            "--num-prompts",
+            str(prompts),
+            "--max-concurrency",
+            str(CONCURRENCY),
+            "--num-warmups",
+            str(CONCURRENCY),
+            "--ignore-eos",
+            "--seed",
+            str(seed),
+            # What kdctl's `openai` backend sends with every request (see the docstring).
+            "--temperature",
+            "0",
+            "--top-p",
+            "1",
+            "--logprobs",
+            "1",
+            "--extra-body",
+            json.dumps({"return_tokens_as_token_ids": True, "return_token_ids": True}),
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,99",
+        ],
+        work / "vllm-bench",
+        f"round{n}",
+    )
+    return Run(
+        tool="vllm",
+        round=n,
+        tok_s=r["output_throughput"],
+        ttft_ms=r["median_ttft_ms"],
+        itl_ms=r["median_itl_ms"],
+        prompt_tokens=r["total_input_tokens"] / max(r["completed"], 1),
+        output_tokens=r["total_output_tokens"],
+        failed=r["failed"],
+        duration_s=r["duration"],
+    )
+
+
+def row(label: str, tool: str, r: Run | None, tok_s: float, ttft: float, itl: float) -> str:
+    extra = (
+        f"{r.prompt_tokens:>10.2f} {r.output_tokens:>8} {r.failed:>6} {r.duration_s:>7.2f}"
+        if r
+        else ""
+    )
+    return f"{label:>6} {tool:>6} {tok_s:>10.1f} {ttft:>10.2f} {itl:>9.3f} {extra}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each client, alternated")
+    ap.add_argument("--prompts", type=int, default=200)
+    ap.add_argument("--train-steps", type=int, default=0, help="for the tiny model")
+    args = ap.parse_args()
+    require_vllm()
+
+    work = Path(tempfile.mkdtemp(prefix="kdctl-vs-vllm-"))
+    model = make_tiny_llama(work / "tiny-llama", args.train_steps)
+    runs: list[Run] = []
+    # Prefix caching off: see the docstring.
+    with vllm_server(model, SERVED, work / "vllm.log", ["--no-enable-prefix-caching"]) as url:
+        print(
+            f"vLLM CPU server at {url} (log {work / 'vllm.log'}); {args.prompts} prompts of "
+            f"{INPUT_LEN} random tokens, {OUTPUT_LEN} out, concurrency {CONCURRENCY}, "
+            f"{CONCURRENCY} warm-up requests, ignore_eos, greedy; {args.rounds} rounds, "
+            "clients alternated"
+        )
+        print(
+            f"{'round':>6} {'tool':>6} {'out tok/s':>10} {'TTFT p50':>10} {'ITL p50':>9} "
+            f"{'in tok/req':>10} {'out tok':>8} {'failed':>6} {'run s':>7}"
+        )
+        for n in range(1, args.rounds + 1):
+            # Who goes first swaps every round, so neither always follows the other.
+            order = ("kdctl", "vllm") if n % 2 else ("vllm", "kdctl")
+            for tool in order:
+                if tool == "kdctl":
+                    prompt_file = random_prompts(
+                        model, args.prompts, INPUT_LEN, OUTPUT_LEN, n, work / f"prompts{n}.jsonl"
+                    )
+                    r = kdctl_run(url, args.prompts, prompt_file, work, n)
+                else:
+                    r = vllm_run(url, model, args.prompts, n, work, n)
+                runs.append(r)
+                print(row(str(n), tool, r, r.tok_s, r.ttft_ms, r.itl_ms), flush=True)
+    # The server is stopped here, whatever happened above.
+    med = {
+        tool: {
+            name: statistics.median(r.figure(name) for r in runs if r.tool == tool)
+            for name, _ in TARGETS
+        }
+        for tool in ("kdctl", "vllm")
+    }
+    for tool in ("kdctl", "vllm"):
+        m = med[tool]
+        print(row("median", tool, None, *(m[name] for name, _ in TARGETS)))
+    failed = sum(r.failed for r in runs)
+    want = args.prompts * OUTPUT_LEN
+    short = [f"{r.tool} round {r.round}" for r in runs if r.output_tokens != want]
+    for name, tolerance in TARGETS:
+        ratio = med["kdctl"][name] / med["vllm"][name]
+        verdict = "meets" if abs(ratio - 1.0) <= tolerance else "misses"
+        print(f"kdctl/vLLM {name}: {ratio:.3f} ({verdict} 1 +/- {tolerance:.0%})")
+    print(
+        f"failed requests: {failed}; runs short of {want} output tokens: "
+        f"{', '.join(short) or 'none'}"
+    )
+
+
+if __name__ == "__main__":
+    main()

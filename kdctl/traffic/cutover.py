@@ -29,7 +29,7 @@ from kdctl.gating import run_gates
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.load import BenchMetrics, LoadPlan, run_load
 from kdctl.traffic._router import Router, RouterError, RouterState
-from kdctl.traffic.journal import CutoverRecord, Journal
+from kdctl.traffic.journal import Journal
 from kdctl.transports import TransportPool
 
 Strategy = Literal["blue-green", "canary", "swap"]
@@ -391,7 +391,3 @@ def restore(
     state = router.apply(weights)
     journal.step(cid, idx, "rollback-set-weights", {"weights": weights}, "done", str(state.weights))
     return state
-
-
-def last_cutover(journal: Journal) -> CutoverRecord | None:
-    return journal.latest()

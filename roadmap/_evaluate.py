@@ -13,25 +13,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks._gate import freshness_window, gate_class, with_settings
+from kdctl.checks._gate import freshness_window, gate_settings, with_settings
 from kdctl.checks.result import GateResult, Metric, utcnow
 from kdctl.evidence import EvidenceStore, freshness
 from kdctl.evidence.freshness import age_text
 from kdctl.gating import Identity
 from kdctl.inventory import LoadedInventory
-from kdctl.inventory.models import parse_duration
+from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap
-from kdctl.roadmap._model import parse_threshold
 
 CriterionState = Literal["pass", "fail", "missing", "stale"]
 PhaseState = Literal["done", "in_progress", "blocked", "remaining"]
-_COMPARE = {
-    ">=": lambda v, t: v >= t,
-    "<=": lambda v, t: v <= t,
-    ">": lambda v, t: v > t,
-    "<": lambda v, t: v < t,
-    "==": lambda v, t: v == t,
-}
 
 
 class Measured(BaseModel):
@@ -170,16 +162,8 @@ def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any
     """The criterion's settings as the gate records them (validated, JSON), its keys only."""
     if not c.spec.settings:
         return {}
-    full = with_settings(inv, c.gate, c.spec.settings).spec.gates
-    section = getattr(full, _field(c.gate))
-    dumped: dict[str, Any] = section.model_dump(mode="json")
-    return {k: dumped[k] for k in c.spec.settings}
-
-
-def _field(gate: str) -> str:
-    field = gate_class(gate).settings_field
-    assert field is not None
-    return field
+    recorded = gate_settings(with_settings(inv, c.gate, c.spec.settings), c.gate)
+    return {k: recorded[k] for k in c.spec.settings}
 
 
 def _matches(c: ResolvedCriterion, r: GateResult, pinned: dict[str, Any]) -> bool:
@@ -218,7 +202,7 @@ def _require(c: ResolvedCriterion, result: GateResult) -> tuple[list[Measured], 
             broken.append(f"{pattern} was not measured")
             values.append(Measured(metric=pattern, value=None, threshold=text.strip(), ok=False))
         for m in found:
-            ok = isinstance(m.value, int | float) and _COMPARE[op](float(m.value), limit)
+            ok = Metric(name=m.name, value=m.value, threshold=limit, comparison=op).passed is True
             values.append(Measured(metric=m.name, value=m.value, threshold=text.strip(), ok=ok))
             if not ok:
                 broken.append(f"{m.name} {m.value} is not {op} {limit:g}")

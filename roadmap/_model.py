@@ -2,34 +2,11 @@
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from kdctl.inventory.models import Name
-
-_THRESHOLD = re.compile(r"^\s*(>=|<=|==|>|<)\s*(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)\s*$")
-_DURATION = re.compile(r"^[1-9]\d*[smhd]$")
-
-
-def _threshold(value: str) -> str:
-    if not _THRESHOLD.match(value):
-        raise ValueError(f"{value!r} is not a threshold such as '>= 1.0' or '== 0'")
-    return value
-
-
-def _duration(value: str) -> str:
-    if not _DURATION.match(value):
-        raise ValueError(f"{value!r} is not a duration such as '15m', '24h' or '7d'")
-    return value
-
-
-def parse_threshold(text: str) -> tuple[str, float]:
-    m = _THRESHOLD.match(text)
-    if m is None:
-        raise ValueError(f"{text!r} is not a threshold")
-    return m.group(1), float(m.group(2))
+from kdctl.inventory.models import Duration, Name, Threshold
 
 
 class _Model(BaseModel):
@@ -54,9 +31,9 @@ class Criterion(_Model):
     command: Name | None = None
     # Metric name (shell-style wildcards, e.g. '*.ratio') to threshold; every matching metric
     # of the result must hold, and at least one must exist.
-    require: dict[str, Annotated[str, AfterValidator(_threshold)]] = Field(default_factory=dict)
+    require: dict[str, Threshold] = Field(default_factory=dict)
     # Overrides how long the result counts (else `gates.freshness`, else the gate's default).
-    freshness: Annotated[str, AfterValidator(_duration)] | None = None
+    freshness: Duration | None = None
     description: str | None = None
 
 

@@ -304,6 +304,9 @@ def _threshold(value: str) -> str:
     return value
 
 
+Threshold = Annotated[str, AfterValidator(_threshold)]
+
+
 class CommandCheck(_Model):
     """A program on the backend's host that prints one JSON object of metrics (the native
     engine's kernel benchmark, its test suite), judged by thresholds on those metrics."""
@@ -311,7 +314,7 @@ class CommandCheck(_Model):
     command: str | list[str]
     workdir: HostPath | None = None
     timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    thresholds: dict[str, Annotated[str, AfterValidator(_threshold)]] = Field(min_length=1)
+    thresholds: dict[str, Threshold] = Field(min_length=1)
     # The backends it judges; unset, every backend.
     backends: list[Name] | None = None
 
@@ -330,12 +333,15 @@ class CommandCheck(_Model):
         return self
 
     def parsed(self) -> dict[str, tuple[str, float]]:
-        out = {}
-        for metric, text in self.thresholds.items():
-            m = _THRESHOLD.match(text)
-            assert m is not None
-            out[metric] = (m.group(1), float(m.group(2)))
-        return out
+        return {metric: parse_threshold(text) for metric, text in self.thresholds.items()}
+
+
+def parse_threshold(text: str) -> tuple[str, float]:
+    """'>= 2.5' as ('>=', 2.5); the text must have passed the Threshold check."""
+    m = _THRESHOLD.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a threshold")
+    return m.group(1), float(m.group(2))
 
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
@@ -355,13 +361,16 @@ def parse_duration(value: str) -> timedelta:
     return timedelta(**{unit: int(m.group(1))})
 
 
+Duration = Annotated[str, AfterValidator(_duration)]
+
+
 class GateSettings(_Model):
     throughput: ThroughputSettings = ThroughputSettings()
     exactness: ExactnessSettings = ExactnessSettings()
     tp_health: TpHealthSettings = TpHealthSettings()
     commands: dict[Name, CommandCheck] = Field(default_factory=dict)
     # How long a gate's result counts, by gate name, over the gate's own default window.
-    freshness: dict[str, Annotated[str, AfterValidator(_duration)]] = Field(default_factory=dict)
+    freshness: dict[str, Duration] = Field(default_factory=dict)
 
 
 class Inventory(_Model):

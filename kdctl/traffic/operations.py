@@ -20,7 +20,7 @@ from kdctl.traffic.cutover import (
     plan_cutover,
     restore,
 )
-from kdctl.traffic.journal import Journal
+from kdctl.traffic.journal import CutoverRecord, Journal
 from kdctl.traffic.nginx import NginxRouter
 from kdctl.transports import TransportPool
 
@@ -123,13 +123,7 @@ def _resume(
         record = journal.latest(state="running")
         if record is None:
             raise InputError("no interrupted cutover in the journal")
-        plan = Plan(
-            from_backend=record.from_backend,
-            to_backend=record.to_backend,
-            strategy=record.strategy,
-            reason="resumed from the journal",
-            steps=[Step.model_validate(s) for s in record.plan],
-        )
+        plan = _journaled_plan(record, "resumed from the journal")
         live = router.read()
         if not confirm(
             f"Resume cutover {record.id} ({plan.strategy} to {plan.to_backend}); the router "
@@ -138,6 +132,16 @@ def _resume(
             raise Refused("resume not confirmed; nothing changed")
         runner = Runner(inv, router, journal, store, pool, on_step=on_step)
         return runner.run(record.id, plan, skip=record.done_steps)
+
+
+def _journaled_plan(record: CutoverRecord, reason: str) -> Plan:
+    return Plan(
+        from_backend=record.from_backend,
+        to_backend=record.to_backend,
+        strategy=record.strategy,
+        reason=reason,
+        steps=[Step.model_validate(s) for s in record.plan],
+    )
 
 
 def rollback(inv: LoadedInventory, *, confirm: Confirm) -> tuple[str, RouterState]:
@@ -149,13 +153,7 @@ def rollback(inv: LoadedInventory, *, confirm: Confirm) -> tuple[str, RouterStat
             record = journal.latest()
             if record is None:
                 raise InputError("no cutover in the journal to roll back")
-            plan = Plan(
-                from_backend=record.from_backend,
-                to_backend=record.to_backend,
-                strategy=record.strategy,
-                reason="rollback",
-                steps=[],
-            )
+            plan = _journaled_plan(record, "rollback")
             live = router.read()
             if live.weights == {record.from_backend: 100} and not live.draining:
                 # Nothing to write, but an interrupted cutover still ends here, in the journal.

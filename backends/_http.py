@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
@@ -147,8 +148,10 @@ def sse_data(backend: str, url: str, line: str) -> Any:
     if payload == "[DONE]":
         return DONE
     try:
-        data = json.loads(payload)
-    except json.JSONDecodeError:
+        # orjson: a load generator parses one event per token of every stream, and the standard
+        # library's parser took about 40% longer, enough to make kdctl the limit at 256 streams.
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
         raise BackendProtocolError(
             backend, url, f"stream event is not JSON: {payload[:120]!r}"
         ) from None

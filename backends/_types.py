@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -49,11 +50,17 @@ class GenerateResult(BaseModel):
     logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
-class StreamChunk(BaseModel):
-    """A piece of a streamed generation with the time it arrived (time.perf_counter())."""
+@dataclass(slots=True)
+class StreamChunk:
+    """A piece of a streamed generation with the time it arrived (time.perf_counter()).
+
+    A plain record, not a validated model: the load generator builds one per token of every
+    stream, and validation there cost more than the rest of its per-token work together. The
+    parsers that build it check their input themselves.
+    """
 
     received_at: float
-    output_ids: list[int] = Field(default_factory=list)  # new in this chunk
+    output_ids: list[int] = field(default_factory=list)  # new in this chunk
     text: str = ""  # new in this chunk
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
@@ -66,3 +73,12 @@ class EngineInfo(BaseModel):
     version: str | None = None
     tp_size: int | None = None
     context_length: int | None = None
+
+
+def count(value: object) -> int | None:
+    """A token count from an engine's answer: an int, absent, or a malformed answer."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"a token count is not an integer: {value!r}")
+    return value

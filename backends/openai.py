@@ -14,6 +14,7 @@ from kdctl.backends._types import (
     GenerateResult,
     StreamChunk,
     TokenLogprob,
+    count,
 )
 from kdctl.backends.errors import BackendError, BackendProtocolError
 
@@ -140,24 +141,30 @@ class OpenAIBackend(HttpBackend):
         return StreamCall("/v1/completions", self._body(req, stream=True), self._read)
 
     def _read(self, at: float, data: Any) -> StreamChunk | None:
-        choices = data.get("choices") if isinstance(data, dict) else None
-        usage = data.get("usage") if isinstance(data, dict) else None
+        # Called once per token of every stream by the load generator: kept to the lookups
+        # each event needs.
+        choices = data.get("choices")
         if not choices:
+            usage = data.get("usage")
             if not usage:
                 return None
             return StreamChunk(
-                received_at=at,
-                prompt_tokens=usage.get("prompt_tokens"),
-                completion_tokens=usage.get("completion_tokens"),
+                at,
+                prompt_tokens=count(usage.get("prompt_tokens")),
+                completion_tokens=count(usage.get("completion_tokens")),
             )
         choice = choices[0]
-        ids = choice.get("token_ids") or [t.token_id for t in self._logprobs(choice, 0)]
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = [t.token_id for t in self._logprobs(choice, 0)]
+        if not all(type(i) is int for i in ids):
+            raise ValueError(f"token_ids are not integers: {ids!r}")
         reason = choice.get("finish_reason")
         return StreamChunk(
-            received_at=at,
-            output_ids=[int(i) for i in ids],
-            text=choice.get("text") or "",
-            finish_reason=(reason if reason in ("length", "stop") else "abort") if reason else None,
+            at,
+            ids,
+            choice.get("text") or "",
+            (reason if reason in ("length", "stop") else "abort") if reason else None,
         )
 
     def chat(

@@ -14,6 +14,7 @@ from kdctl.backends._types import (
     GenerateResult,
     StreamChunk,
     TokenLogprob,
+    count,
 )
 from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult
@@ -162,8 +163,8 @@ class _CumulativeReader:
             output_ids=new_ids,
             text=new_text,
             finish_reason=_finish(finish)[0] if finish else None,
-            prompt_tokens=meta.get("prompt_tokens"),
-            completion_tokens=meta.get("completion_tokens"),
+            prompt_tokens=count(meta.get("prompt_tokens")),
+            completion_tokens=count(done),
         )
 
 

@@ -109,7 +109,9 @@ def status(
     inv = _load(inventory, state_dir)
     report = collect_status(inv, deadline_s=timeout)
     with _store_for(inv) as store:
-        report.answers = assess(inv, store, timeout_s=min(timeout, 15.0)).answers
+        report.answers = assess(
+            inv, store, timeout_s=min(timeout, 15.0), traffic=report.traffic
+        ).answers
         report.gates = latest_verdicts(inv, store)
     if json_:
         _print_json(report)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
@@ -24,7 +24,7 @@ from kdctl.checks._gate import (
     with_settings,
 )
 from kdctl.checks.result import GateResult, utcnow
-from kdctl.errors import InputError, KdctlError
+from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore, freshness
 from kdctl.evidence.freshness import age_text
 from kdctl.gating import Identity, identify_backends, run_gates
@@ -35,7 +35,9 @@ from kdctl.roadmap import (
     load_roadmap,
     roadmap_path,
 )
-from kdctl.transports import TransportPool
+
+if TYPE_CHECKING:
+    from kdctl.status import TrafficStatus
 
 Speed = Literal["yes", "no", "unmeasured"]
 
@@ -101,7 +103,7 @@ class Answers(BaseModel):
     def lines(self) -> list[str]:
         s = self.serving
         if s.backend is None:
-            serving = "Serving now: unknown (no router in the inventory)"
+            serving = f"Serving now: unknown ({s.detail})"
         else:
             weight = f" at weight {s.weight}" if s.weight is not None else ""
             serving = f"Serving now: {s.backend}{weight}; speed-optimized: {s.speed_optimized}"
@@ -141,12 +143,20 @@ def assess(
     candidate: str | None = None,
     timeout_s: float = 15.0,
     now: datetime | None = None,
+    traffic: TrafficStatus | None = None,
 ) -> Readiness:
-    """Evaluate the roadmap and the serving backend against what the engines report now."""
+    """Evaluate the roadmap and the serving backend against what the engines report now.
+
+    `traffic` is the router's state where the caller has just read it (`kdctl status` does),
+    so the router is asked once.
+    """
+    from kdctl.status import live_traffic  # status shows these answers, so it imports us
+
     now = now or utcnow()
     path = roadmap_path(inv, roadmap)
     loaded = load_roadmap(path, inv) if path is not None else None
-    serving, weight, source = _live_serving(inv)
+    traffic = traffic or live_traffic(inv)
+    serving = traffic.serving
     if candidate is not None and candidate not in inv.backends:
         known = ", ".join(sorted(inv.backends))
         raise InputError(f"unknown backend {candidate!r} (known: {known})")
@@ -173,9 +183,7 @@ def assess(
         if not cand.live:
             blocking.append(f"{report.candidate} is not answering: {cand.note}")
     answers = Answers(
-        serving=_serving(inv, store, serving, identities, now).model_copy(
-            update={"weight": weight, "source": source}
-        ),
+        serving=_serving(inv, store, traffic, identities, now),
         remaining_phases=[f"{p.id} ({p.status})" for p in report.remaining] if report else [],
         cutover=CutoverAnswer(
             candidate=report.candidate if report else candidate,
@@ -187,37 +195,33 @@ def assess(
     return Readiness(answers=answers, phases=report, identities=identities)
 
 
-def _live_serving(inv: LoadedInventory) -> tuple[str | None, int | None, str]:
-    """The backend with the largest share of traffic as the router itself says, else the
-    inventory's `router.serving`."""
-    from kdctl.traffic import make_router  # traffic's preflight asks this module, not back
-
-    router = inv.spec.router
-    if router is None:
-        return None, None, "inventory"
-    try:
-        with TransportPool(inv) as pool:
-            state = make_router(inv, pool).read()
-    except KdctlError:
-        return router.serving, 100, "inventory"
-    if not state.weights:
-        return None, None, state.source
-    name, weight = max(state.weights.items(), key=lambda kv: kv[1])
-    return name, weight, state.source
-
-
 def _serving(
     inv: LoadedInventory,
     store: EvidenceStore,
-    serving: str | None,
+    traffic: TrafficStatus,
     identities: dict[str, Identity],
     now: datetime,
 ) -> ServingAnswer:
-    router = inv.spec.router
-    if serving is None or router is None:
-        return ServingAnswer(backend=None, speed_optimized="unmeasured", detail="no router")
+    serving = traffic.serving
+    if traffic.router is None:
+        return ServingAnswer(
+            backend=None, speed_optimized="unmeasured", detail="no router in the inventory"
+        )
+    if serving is None:
+        return ServingAnswer(
+            backend=None,
+            router=traffic.router,
+            source=traffic.source,
+            speed_optimized="unmeasured",
+            detail=f"the {traffic.router} router sends traffic to no backend",
+        )
     latest: GateResult | None = store.latest("throughput", serving)
-    base = {"backend": serving, "weight": 100, "router": router.kind}
+    base = {
+        "backend": serving,
+        "weight": traffic.weights.get(serving),
+        "router": traffic.router,
+        "source": traffic.source,
+    }
     if latest is None:
         return ServingAnswer(
             **base, speed_optimized="unmeasured", detail="no throughput result on record"

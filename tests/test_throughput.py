@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import socketserver
 import statistics
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +192,58 @@ def test_an_event_far_larger_than_a_read_comes_out_whole() -> None:
     pieces = [splitter.feed(data[i : i + 65536]) for i in range(0, len(data), 65536)]
     assert [line for p in pieces for line in p] == [big]
     assert splitter.close() == []
+
+
+class _StallingServer(socketserver.ThreadingTCPServer):
+    """Answers a streamed completion with one token and then sends nothing more: a hung engine
+    (a stuck collective holds every stream open without a byte), which no real engine here can
+    be made to do on purpose."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+        server = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                while self.rfile.readline() not in (b"\r\n", b""):
+                    pass
+                event = {"choices": [{"text": "a", "token_ids": [7], "finish_reason": None}]}
+                body = f"data: {json.dumps(event)}\n\n".encode()
+                self.wfile.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n"
+                    + f"{len(body):x}\r\n".encode()
+                    + body
+                    + b"\r\n"
+                )
+                self.wfile.flush()
+                server.release.wait(30)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_a_stream_that_stalls_fails_at_the_request_timeout(client: str) -> None:
+    server = _StallingServer()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    spec = BackendSpec(kind="openai", host="local", url=url, served_model_name="m")
+    backend = make_backend("hung", spec)
+    assert isinstance(backend, HttpBackend)
+    reqs = [GenerateRequest(input_ids=[1, 2], max_new_tokens=4)] * 2
+    try:
+        with backend:
+            t0 = time.perf_counter()
+            m = run_load(backend, reqs, LoadPlan(max_concurrency=2, client=client, timeout_s=1.0))
+            took = time.perf_counter() - t0
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+    assert (m.completed, m.failed) == (0, 2)
+    assert m.errors and "Timeout" in m.errors[0]
+    assert took < 10

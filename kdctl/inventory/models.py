@@ -267,6 +267,7 @@ class ThroughputSettings(_Model):
     slo_percentile: Literal["p50", "p90", "p99"] = "p99"
     max_failed_requests: Annotated[int, Field(ge=0)] = 0
     client: Literal["aiohttp", "httpx"] = "aiohttp"
+    # The longest one request may take, start to end (with httpx, the longest wait for a read).
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
 
 

@@ -33,7 +33,7 @@ class LoadPlan:
     warmup_requests: int = 0
     seed: int = 0
     client: str = "aiohttp"
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # the longest one request may take
     slo: SLO | None = None
     # With ignore_eos every request should produce this many tokens; fewer is reported.
     output_len: int | None = None

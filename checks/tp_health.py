@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shlex
 import uuid
 from datetime import timedelta
@@ -151,14 +152,40 @@ def run_allreduce(
         raise CommandTimeout(transport.name, tuple(argv), settings.timeout_s)
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith(PROBE_MARK)), None)
     if not result.ok or line is None:
-        tail = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-3:]
         raise _ProbeFailed(
-            f"all-reduce probe failed (exit {result.exit_code}): {' | '.join(tail)[:400]}",
+            f"all-reduce probe failed (exit {result.exit_code}): "
+            + probe_failure(result.stderr)[:400],
             " ".join(shlex.quote(a) for a in argv),
         )
     report: dict[str, Any] = json.loads(line[len(PROBE_MARK) :])
     report["command"] = " ".join(shlex.quote(a) for a in argv)
     return report
+
+
+# torchrun's summary names the first rank that failed; the rank's own traceback, printed above
+# it, ends in the exception that says why.
+_ROOT_RANK = re.compile(r"Root Cause.*?\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", re.S)
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception)\b.*)$")
+
+
+def probe_failure(stderr: str) -> str:
+    """Why the probe failed, from its stderr: the root-cause rank torchrun names and the last
+    exception a rank raised; torchrun's own ChildFailedError says nothing of the cause."""
+    root = _ROOT_RANK.search(stderr)
+    causes = [
+        m.group(1).strip()
+        for line in stderr.splitlines()
+        if (m := _EXCEPTION.match(line.strip())) and "ChildFailedError" not in m.group(1)
+    ]
+    parts = []
+    if root:
+        parts.append(f"rank {root.group(1)} exited {root.group(2)}")
+    if causes:
+        parts.append(causes[-1])
+    if not parts:
+        lines = stderr.strip().splitlines()
+        return " | ".join(lines[-3:]) if lines else "no output"
+    return ": ".join(parts)
 
 
 class _ProbeFailed(Exception):

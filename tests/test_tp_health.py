@@ -15,7 +15,12 @@ from typing import Any
 
 import pytest
 
-from kdctl.checks.tp_health import gpu_findings, memory_findings, topology_findings
+from kdctl.checks.tp_health import (
+    gpu_findings,
+    memory_findings,
+    probe_failure,
+    topology_findings,
+)
 from kdctl.probes.gpus import parse_compute_apps, parse_query_gpu
 from kdctl.probes.topology import parse_topo
 from tests.conftest import FIXTURES, kdctl, write_inventory
@@ -25,6 +30,7 @@ H200 = FIXTURES / "nvidia-smi" / "h200-1gpu"
 IDLE = FIXTURES / "nvidia-smi" / "h200-idle"
 BUSY = FIXTURES / "nvidia-smi" / "h200-busy"
 REPLAY = FIXTURES / "bin"
+FAULTS = FIXTURES / "h200-faults"
 XID_79 = (
     "[ 8812.101934] NVRM: Xid (PCI:0000:00:06): 79, pid=2231, name=python, "
     "GPU has fallen off the bus."
@@ -257,3 +263,27 @@ def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
     assert code == 1 and result["reasons"][0] == (
         "GPU 0: no process holds memory (is the engine running on this rank?)"
     )
+
+
+def test_why_the_probe_failed_on_the_h200_when_a_rank_had_no_gpu() -> None:
+    """torchrun's own stderr on the H200 (two ranks, one GPU): its summary says only that a
+    child failed; the cause is the rank's exception, printed earlier."""
+    stderr = (FAULTS / "torchrun-missing-gpu.stderr").read_text()
+    assert "ChildFailedError" in stderr
+    why = probe_failure(stderr)
+    assert why == "rank 1 exited 1: torch.AcceleratorError: CUDA error: invalid device ordinal"
+    # The gate said the same there (scripts/gpu-validate faults), beside the missing GPU.
+    (live,) = json.loads((FAULTS / "tp-health-missing-gpu.json").read_text())["results"]
+    assert live["verdict"] == "fail"
+    assert "GPU 1 expected but not visible" in live["reasons"]
+    assert f"all-reduce probe failed (exit 1): {why}" in live["reasons"]
+    # With no summary at all, the last lines are still shown rather than nothing.
+    assert probe_failure("boom\nsegfault") == "boom | segfault"
+
+
+def test_the_watchdog_on_the_h200_left_nothing_on_the_gpu() -> None:
+    (live,) = json.loads((FAULTS / "tp-health-stalled-rank.json").read_text())["results"]
+    assert live["verdict"] == "fail"
+    assert any("did not finish within 20s" in r for r in live["reasons"])
+    apps = parse_compute_apps((FAULTS / "apps-after-watchdog.csv").read_text())
+    assert apps == []

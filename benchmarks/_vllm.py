@@ -41,13 +41,15 @@ _RANDOM_PROMPTS = (
     "import json, sys\n"
     "from vllm.benchmarks.datasets import RandomDataset\n"
     "from vllm.tokenizers import get_tokenizer\n"
-    "tokenizer, n, input_len, output_len, seed, out = sys.argv[1:]\n"
-    "samples = RandomDataset(random_seed=int(seed)).sample(\n"
-    "    tokenizer=get_tokenizer(tokenizer), num_requests=int(n),\n"
-    "    input_len=int(input_len), output_len=int(output_len))\n"
-    "with open(out, 'w') as f:\n"
-    "    for s in samples:\n"
-    "        f.write(json.dumps({'prompt': s.prompt}) + '\\n')\n"
+    "tokenizer, n, input_len, output_len, out, *seeds = sys.argv[1:]\n"
+    "tok = get_tokenizer(tokenizer)\n"
+    "for seed in seeds:\n"
+    "    samples = RandomDataset(random_seed=int(seed)).sample(\n"
+    "        tokenizer=tok, num_requests=int(n),\n"
+    "        input_len=int(input_len), output_len=int(output_len))\n"
+    "    with open(f'{out}/prompts{seed}.jsonl', 'w') as f:\n"
+    "        for s in samples:\n"
+    "            f.write(json.dumps({'prompt': s.prompt}) + '\\n')\n"
 )
 # Offline: the model and tokenizer are local folders, and nothing outside loopback answers.
 _ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -195,9 +197,11 @@ def bench_serve(url: str, args: list[str], result_dir: Path, name: str) -> dict[
 
 
 def random_prompts(
-    tokenizer: Path, n: int, input_len: int, output_len: int, seed: int, out: Path
-) -> Path:
-    """vLLM's random dataset for this seed, as a JSONL prompt file."""
+    tokenizer: Path, n: int, input_len: int, output_len: int, seeds: list[int], out: Path
+) -> dict[int, Path]:
+    """vLLM's random dataset for each seed, as JSONL prompt files under `out` (one process for
+    them all: vLLM takes seconds to import)."""
+    out.mkdir(parents=True, exist_ok=True)
     made = subprocess.run(
         [
             str(VLLM_PYTHON),
@@ -207,17 +211,18 @@ def random_prompts(
             str(n),
             str(input_len),
             str(output_len),
-            str(seed),
             str(out),
+            *map(str, seeds),
         ],
         env=_ENV,
         capture_output=True,
         text=True,
         check=False,
     )
-    if made.returncode != 0 or not out.exists():
+    files = {seed: out / f"prompts{seed}.jsonl" for seed in seeds}
+    if made.returncode != 0 or not all(f.exists() for f in files.values()):
         raise SystemExit(f"vLLM's random dataset failed:\n{made.stderr[-3000:]}")
-    return out
+    return files
 
 
 def run_measured(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, int]:

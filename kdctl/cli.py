@@ -110,7 +110,11 @@ def status(
     report = collect_status(inv, deadline_s=timeout)
     with _store_for(inv) as store:
         report.answers = assess(
-            inv, store, timeout_s=min(timeout, 15.0), traffic=report.traffic
+            inv,
+            store,
+            timeout_s=min(timeout, 15.0),
+            traffic=report.traffic,
+            identities=report.identities,
         ).answers
         report.gates = latest_verdicts(inv, store)
     if json_:
@@ -657,16 +661,33 @@ def reference_make_model(
     from_model: Annotated[
         Path | None, typer.Option("--from", help="Quantize this model instead of making one.")
     ] = None,
+    size: Annotated[
+        str,
+        typer.Option(
+            "--size",
+            help="tiny (CPU, seconds) or large (deepseek_v3 of about 1.5B parameters, for a GPU).",
+        ),
+    ] = "tiny",
+    device: Annotated[
+        str, typer.Option("--device", help="Where the weights are made and trained: cpu, cuda.")
+    ] = "cpu",
     json_: JsonOpt = False,
 ) -> None:
-    """Write a tiny model with a locally trained tokenizer; the same arguments, the same bytes."""
-    from kdctl.backends.reference.model import make_model
+    """Write a model with a locally trained tokenizer; the same arguments, the same bytes (on
+    the CPU)."""
+    from kdctl.backends.reference.model import SIZES, make_model
     from kdctl.errors import InputError
 
     if arch not in ("deepseek_v3", "llama"):
         raise InputError(f"--arch: {arch!r} is not one of deepseek_v3, llama")
     if quantize not in (None, "w4a16"):
         raise InputError(f"--quantize: {quantize!r} is not w4a16")
+    if size not in SIZES:
+        raise InputError(f"--size: {size!r} is not one of {', '.join(SIZES)}")
+    if size != "tiny" and arch != "deepseek_v3":
+        raise InputError(f"--size {size} is a deepseek_v3 config; --arch is {arch}")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InputError(f"--device: {device!r} is not cpu, cuda or cuda:N")
     report = make_model(
         arch,  # type: ignore[arg-type]
         out_dir,
@@ -674,6 +695,8 @@ def reference_make_model(
         quantize=quantize,  # type: ignore[arg-type]
         group_size=group_size,
         from_model=from_model,
+        device=device,
+        **SIZES[size],
     )
     doc = {
         "out": str(report.out),

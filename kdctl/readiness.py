@@ -144,11 +144,12 @@ def assess(
     timeout_s: float = 15.0,
     now: datetime | None = None,
     traffic: TrafficStatus | None = None,
+    identities: dict[str, Identity] | None = None,
 ) -> Readiness:
     """Evaluate the roadmap and the serving backend against what the engines report now.
 
-    `traffic` is the router's state where the caller has just read it (`kdctl status` does),
-    so the router is asked once.
+    `traffic` and `identities` are the router's state and what engines said they are, where
+    the caller has just asked (`kdctl status` does), so that nothing is asked twice.
     """
     from kdctl.status import live_traffic  # status shows these answers, so it imports us
 
@@ -160,7 +161,7 @@ def assess(
     if candidate is not None and candidate not in inv.backends:
         known = ", ".join(sorted(inv.backends))
         raise InputError(f"unknown backend {candidate!r} (known: {known})")
-    identities: dict[str, Identity] = {}
+    identities = dict(identities or {})
 
     def identify(names: set[str]) -> dict[str, Identity]:
         # One round of questions per assessment; an engine with no evidence is not asked.

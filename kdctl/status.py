@@ -6,11 +6,13 @@ from collections import defaultdict
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, PrivateAttr, SecretStr
 
-from kdctl.backends import make_backend, probe_health
+from kdctl.backends import EngineInfo, make_backend, probe_health
 from kdctl.backends.health import BackendState
+from kdctl.checks._gate import provenance_for
 from kdctl.errors import KdctlError
+from kdctl.gating import Identity
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.probes import (
     GpuProbe,
@@ -78,6 +80,13 @@ class StatusReport(BaseModel):
     # The three answers, and the newest verdict of every gate for every backend.
     answers: Answers | None = None
     gates: list[LatestVerdict] = []
+    # What each served engine said it is (or why it said nothing), for the readiness answers,
+    # so that they need not ask again.
+    _identities: dict[str, Identity] = PrivateAttr(default_factory=dict)
+
+    @property
+    def identities(self) -> dict[str, Identity]:
+        return self._identities
 
     @property
     def unreachable(self) -> list[str]:
@@ -110,14 +119,14 @@ def _identify(
     client: httpx.Client,
     *,
     timeout: float,
-) -> None:
+) -> EngineInfo | None:
     """Fill in what the engine says it is, and flag where that contradicts the inventory."""
     try:
         with make_backend(name, spec, api_key=api_key, client=client, timeout=timeout) as be:
             info = be.info()
     except KdctlError as exc:
         status.detail = f"engine info unavailable: {exc}"
-        return
+        return None
     status.identity = "live"
     status.model = info.model or status.model
     status.served_name = info.served_name
@@ -131,6 +140,7 @@ def _identify(
     if spec.model and info.model and info.model != spec.model:
         notes.append(f"engine serves {info.model}, inventory says {spec.model}")
     status.detail = "; ".join(notes) or None
+    return info
 
 
 def collect_status(
@@ -143,6 +153,7 @@ def collect_status(
             by_host[backend.host].append(name)
 
     partial: dict[str, HostStatus] = {}
+    identities: dict[str, Identity] = {}
     with TransportPool(inventory) as pool, httpx.Client() as client:
 
         def host_probe(name: str) -> _HostFacts:
@@ -184,8 +195,21 @@ def collect_status(
                 update=health.model_dump(exclude={"status_code"})
                 | {"http_status": health.status_code}
             )
+            info = None
             if health.state == "up":
-                _identify(status, spec, name, api_key, client, timeout=min(deadline_s, 10.0))
+                info = _identify(status, spec, name, api_key, client, timeout=min(deadline_s, 10.0))
+            identities[name] = (
+                Identity(provenance_for(inventory, name, info, None), live=True)
+                if info is not None
+                else Identity(
+                    provenance_for(inventory, name, None, None),
+                    live=False,
+                    note=(
+                        f"{name} did not say what it serves ({status.detail or health.state}); "
+                        "held to the inventory"
+                    ),
+                )
+            )
             return status
 
         # Hosts and backends go out together: a slow engine should not wait behind SSH.
@@ -237,9 +261,16 @@ def collect_status(
         backends.append(status)
 
     traffic = live_traffic(inventory)
-    return StatusReport(
+    report = StatusReport(
         inventory=str(inventory.path), hosts=hosts, backends=backends, traffic=traffic
     )
+    # Only what finished within the deadline: a backend still being asked is asked again.
+    report._identities.update(
+        (name, ident)
+        for name, ident in identities.items()
+        if isinstance(outcomes[f"backend:{name}"].value, BackendStatus)
+    )
+    return report
 
 
 def live_traffic(inventory: LoadedInventory) -> TrafficStatus:

@@ -116,3 +116,11 @@ def test_bad_arguments_are_exit_2(tmp_path: Path) -> None:
         str(tmp_path / "y"),
     )
     assert run.code == 2 and "--group-size 7 does not divide" in run.err
+    for args, said in (
+        (["--size", "huge"], "--size: 'huge' is not one of tiny, large"),
+        (["--size", "large", "--arch", "llama"], "--size large is a deepseek_v3 config"),
+        (["--device", "tpu"], "--device: 'tpu' is not cpu, cuda or cuda:N"),
+    ):
+        run = kdctl("reference", "make-model", *args, "--out", str(tmp_path / "z"))
+        assert run.code == 2 and said in run.err and "Traceback" not in run.err, run.err
+        assert not (tmp_path / "z").exists()

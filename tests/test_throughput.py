@@ -15,7 +15,14 @@ from pydantic import SecretStr
 
 from kdctl.backends import GenerateRequest, HttpBackend, make_backend
 from kdctl.inventory import BackendSpec
-from kdctl.load import LineSplitter, LoadPlan, arrival_offsets, percentile, run_load
+from kdctl.load import (
+    LineSplitter,
+    LoadPlan,
+    arrival_offsets,
+    histogram_quantile,
+    percentile,
+    run_load,
+)
 from tests.conftest import Served, kdctl, write_inventory
 
 pytest.importorskip("torch")
@@ -166,6 +173,32 @@ def test_percentiles_interpolate_as_numpy_does() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
     assert percentile([7.0], 99) == 7.0
+
+
+def test_histogram_quantiles_as_promql_estimates_them() -> None:
+    """An engine's TTFT histogram read as PromQL's histogram_quantile reads it, from the text
+    prometheus_client exposes (the reference server's own registry type)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    h = Histogram("ttft_seconds", "TTFT", buckets=(0.1, 0.5, 1.0), registry=registry)
+    for v in (0.05, 0.07, 0.2, 0.3, 0.4, 0.45, 0.6, 0.7, 0.8, 0.9):
+        h.observe(v)
+    text = generate_latest(registry).decode()
+    buckets = {
+        float(s.labels["le"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "ttft_seconds_bucket"
+    }
+    assert buckets == {0.1: 2, 0.5: 6, 1.0: 10, float("inf"): 10}
+    # Rank 5 of 10 falls in (0.1, 0.5], which holds ranks 3 to 6.
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 3 / 4)
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * 3.9 / 4)
+    # A rank in +Inf answers the last finite bound; no observations, no answer.
+    assert histogram_quantile(0.9, {0.1: 1, float("inf"): 4}) == 0.1
+    assert histogram_quantile(0.5, {0.1: 0, float("inf"): 0}) is None
 
 
 def test_lines_are_cut_from_reads_whatever_their_boundaries() -> None:

@@ -60,6 +60,11 @@ LARGE_DEEPSEEK_V3: dict[str, Any] = {
     "v_head_dim": 128,
 }
 LARGE_TRAINING: dict[str, Any] = {"lr": 5e-4, "grad_clip": 1.0}
+# make_model's keyword arguments for each size the CLI offers (`make-model --size`).
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "large": {"config_overrides": LARGE_DEEPSEEK_V3, **LARGE_TRAINING},
+}
 
 
 @dataclass(frozen=True)

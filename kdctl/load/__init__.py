@@ -9,7 +9,14 @@ from kdctl.load._clients import (
     client_class,
 )
 from kdctl.load._runner import LoadPlan, Progress, arrival_offsets, run_load
-from kdctl.load._stats import SLO, BenchMetrics, RequestRecord, Stats, percentile
+from kdctl.load._stats import (
+    SLO,
+    BenchMetrics,
+    RequestRecord,
+    Stats,
+    histogram_quantile,
+    percentile,
+)
 
 __all__ = [
     "CLIENTS",
@@ -24,6 +31,7 @@ __all__ = [
     "StreamClient",
     "arrival_offsets",
     "client_class",
+    "histogram_quantile",
     "percentile",
     "run_load",
 ]

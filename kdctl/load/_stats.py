@@ -66,6 +66,29 @@ def percentile(ordered: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """The q-quantile (0..1) of a Prometheus histogram from its cumulative bucket counts
+    ({upper bound `le`: count}), as PromQL's histogram_quantile estimates it: linear within
+    the bucket the rank falls in, the lowest bucket starting at 0, and the last finite bound
+    where the rank falls in +Inf. None with no observations."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    total = buckets[bounds[-1]]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
 class SLO(BaseModel):
     """Per-request service levels: a request is good only if it meets every one given."""
 

@@ -27,7 +27,7 @@ from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.gating import run_gates
 from kdctl.inventory import BackendSpec, LoadedInventory
-from kdctl.load import BenchMetrics, LoadPlan, run_load
+from kdctl.load import BenchMetrics, LoadPlan, histogram_quantile, run_load
 from kdctl.traffic._router import Router, RouterError, RouterState
 from kdctl.traffic.journal import Journal
 from kdctl.transports import TransportPool
@@ -242,10 +242,11 @@ class Runner:
         """A probe load through the front for `seconds`: every request must succeed, and TTFT
         and ITL must hold the inventory's SLOs; the candidate must stay healthy."""
         settings = self.inv.spec.gates.throughput
+        pct = settings.slo_percentile
         front = BackendSpec(kind="sglang", host=self.router.spec.host, url=self.router.front_url)
         be = make_backend("router-front", front)
         assert isinstance(be, HttpBackend)
-        engine_before = _engine_totals(self.inv, plan.to_backend)
+        engine_before = _engine_counters(self.inv, plan.to_backend)
         deadline = time.monotonic() + seconds
         failed = sent = 0
         worst_ttft = worst_itl = 0.0
@@ -260,8 +261,8 @@ class Runner:
                 m = run_load(be, reqs, LoadPlan(max_concurrency=2, timeout_s=60))
                 sent += m.requests
                 failed += m.failed
-                worst_ttft = max(worst_ttft, m.ttft_ms.p99 or 0.0)
-                worst_itl = max(worst_itl, m.itl_ms.p99 or 0.0)
+                worst_ttft = max(worst_ttft, getattr(m.ttft_ms, pct) or 0.0)
+                worst_itl = max(worst_itl, getattr(m.itl_ms, pct) or 0.0)
                 with httpx.Client() as client:
                     health = probe_health(
                         client,
@@ -269,7 +270,7 @@ class Runner:
                         timeout=5,
                         api_key=self.inv.api_key(plan.to_backend),
                     )
-                broke = _breaches(m, settings.slo_ttft_ms, settings.slo_itl_ms)
+                broke = _breaches(m, pct, settings.slo_ttft_ms, settings.slo_itl_ms)
                 if health.state != "up":
                     broke.append(f"{plan.to_backend} health {health.state}: {health.detail}")
                 if broke:
@@ -280,31 +281,30 @@ class Runner:
         watch: dict[str, Any] = {
             "sent": sent,
             "failed": failed,
-            "ttft_p99_ms": worst_ttft,
-            "itl_p99_ms": worst_itl,
+            f"ttft_{pct}_ms": worst_ttft,
+            f"itl_{pct}_ms": worst_itl,
         }
         # The candidate's own view of the window: how many requests it served (all traffic,
-        # not only the probe's), and their mean TTFT from its histogram.
-        engine_after = _engine_totals(self.inv, plan.to_backend)
+        # not only the probe's), and their TTFT percentile from its histogram's buckets.
+        engine_after = _engine_counters(self.inv, plan.to_backend)
         if engine_before is not None and engine_after is not None:
-            served = engine_after.get(_REQUESTS, 0.0) - engine_before.get(_REQUESTS, 0.0)
-            count = engine_after.get(_TTFT_COUNT, 0.0) - engine_before.get(_TTFT_COUNT, 0.0)
-            total = engine_after.get(_TTFT_SUM, 0.0) - engine_before.get(_TTFT_SUM, 0.0)
-            watch["engine_requests"] = served
-            if count > 0:
-                mean_ms = total / count * 1000
-                watch["engine_ttft_mean_ms"] = round(mean_ms, 2)
+            window = engine_after.minus(engine_before)
+            watch["engine_requests"] = window.requests
+            seconds_at = histogram_quantile(int(pct[1:]) / 100, window.ttft_buckets)
+            if seconds_at is not None:
+                engine_ms = seconds_at * 1000
+                watch[f"engine_ttft_{pct}_ms"] = round(engine_ms, 2)
                 slo = settings.slo_ttft_ms
-                if slo is not None and mean_ms > slo:
+                if slo is not None and engine_ms > slo:
                     self.watches.append(watch)
                     raise RouterError(
-                        f"SLO breach during the canary: {plan.to_backend}'s own mean TTFT "
-                        f"{mean_ms:.0f} ms over the window exceeds the SLO of {slo:g} ms"
+                        f"SLO breach during the canary: {plan.to_backend}'s own TTFT {pct} "
+                        f"{engine_ms:.0f} ms over the window exceeds the SLO of {slo:g} ms"
                     )
         self.watches.append(watch)
         return (
             f"{sent} probe requests, {failed} failed, "
-            f"TTFT p99 {worst_ttft:.0f} ms, ITL p99 {worst_itl:.1f} ms"
+            f"TTFT {pct} {worst_ttft:.0f} ms, ITL {pct} {worst_itl:.1f} ms"
         )
 
     def _undo(self, cid: str, plan: Plan, reason: str) -> Literal["failed", "rolled_back"]:
@@ -322,37 +322,60 @@ class Runner:
 
 
 _REQUESTS = "sglang:num_requests_total"
-_TTFT_SUM = "sglang:time_to_first_token_seconds_sum"
-_TTFT_COUNT = "sglang:time_to_first_token_seconds_count"
+_TTFT_BUCKET = "sglang:time_to_first_token_seconds_bucket"
 
 
-def _engine_totals(inv: LoadedInventory, name: str) -> dict[str, float] | None:
-    """The engine's request counter and TTFT histogram totals (summed over labels), from its
-    Prometheus metrics; None when it exports none or does not answer."""
+@dataclass(frozen=True)
+class _EngineCounters:
+    """An engine's request counter and its TTFT histogram's cumulative buckets ({le: count}),
+    summed over labels."""
+
+    requests: float
+    ttft_buckets: dict[float, float]
+
+    def minus(self, before: _EngineCounters) -> _EngineCounters:
+        """What was counted between `before` and this reading."""
+        return _EngineCounters(
+            requests=self.requests - before.requests,
+            ttft_buckets={
+                le: n - before.ttft_buckets.get(le, 0.0) for le, n in self.ttft_buckets.items()
+            },
+        )
+
+
+def _engine_counters(inv: LoadedInventory, name: str) -> _EngineCounters | None:
+    """The engine's counters from its Prometheus metrics; None when it exports none or does
+    not answer."""
     spec = inv.backends[name]
     try:
         with make_backend(name, spec, api_key=inv.api_key(name), timeout=5) as be:
             families = be.metrics()
     except KdctlError:
         return None
-    totals: dict[str, float] = {}
+    requests: float | None = None
+    buckets: dict[float, float] = {}
     for family in families.values():
         for sample in family.samples:
-            if sample.name in (_REQUESTS, _TTFT_SUM, _TTFT_COUNT):
-                totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
-    return totals or None
+            if sample.name == _REQUESTS:
+                requests = (requests or 0.0) + float(sample.value)
+            elif sample.name == _TTFT_BUCKET and "le" in sample.labels:
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + float(sample.value)
+    if requests is None and not buckets:
+        return None
+    return _EngineCounters(requests=requests or 0.0, ttft_buckets=buckets)
 
 
-def _breaches(m: BenchMetrics, ttft_ms: float | None, itl_ms: float | None) -> list[str]:
+def _breaches(m: BenchMetrics, pct: str, ttft_ms: float | None, itl_ms: float | None) -> list[str]:
     broke = []
     if m.failed:
         errors = "; ".join(m.errors[:2])
         broke.append(f"error rate: {m.failed}/{m.requests} requests failed ({errors})")
-    ttft, itl = m.ttft_ms.p99, m.itl_ms.p99
+    ttft, itl = getattr(m.ttft_ms, pct), getattr(m.itl_ms, pct)
     if ttft_ms is not None and ttft is not None and ttft > ttft_ms:
-        broke.append(f"TTFT p99 {ttft:.0f} ms over the SLO of {ttft_ms:g} ms")
+        broke.append(f"TTFT {pct} {ttft:.0f} ms over the SLO of {ttft_ms:g} ms")
     if itl_ms is not None and itl is not None and itl > itl_ms:
-        broke.append(f"ITL p99 {itl:.1f} ms over the SLO of {itl_ms:g} ms")
+        broke.append(f"ITL {pct} {itl:.1f} ms over the SLO of {itl_ms:g} ms")
     return broke
 
 

@@ -149,7 +149,7 @@ def sse_data(backend: str, url: str, line: str) -> Any:
         return DONE
     try:
         # orjson: a load generator parses one event per token of every stream, and the standard
-        # library's parser took about 40% longer, enough to make kdctl the limit at 256 streams.
+        # library's parser took nearly three times as long on vLLM's events (3.7 against 1.3 us).
         data = orjson.loads(payload)
     except orjson.JSONDecodeError:
         raise BackendProtocolError(

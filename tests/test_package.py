@@ -54,6 +54,7 @@ def test_wheel_layout(wheel: Path) -> None:
         "pydantic",
         "httpx",
         "aiohttp",
+        "orjson",
         "paramiko",
         "jinja2",
         "pyyaml",

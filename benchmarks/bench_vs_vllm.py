@@ -307,7 +307,9 @@ def main() -> None:
         else:
             off = abs(ratio - 1.0)
             word = (
-                "meets"
+                "inconclusive (fewer than 3 rounds) for"
+                if len(ratios) < 3
+                else "meets"
                 if off + 2 * error <= tolerance
                 else "misses"
                 if off - 2 * error > tolerance

@@ -671,11 +671,19 @@ def reference_make_model(
     device: Annotated[
         str, typer.Option("--device", help="Where the weights are made and trained: cpu, cuda.")
     ] = "cpu",
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="FIELD=VALUE",
+            help="A config field to change, after --size (repeatable): hidden_size=512.",
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Write a model with a locally trained tokenizer; the same arguments, the same bytes (on
     the CPU)."""
-    from kdctl.backends.reference.model import SIZES, make_model
+    from kdctl.backends.reference.model import SIZES, make_model, parse_config_settings
     from kdctl.errors import InputError
 
     if arch not in ("deepseek_v3", "llama"):
@@ -688,6 +696,8 @@ def reference_make_model(
         raise InputError(f"--size {size} is a deepseek_v3 config; --arch is {arch}")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise InputError(f"--device: {device!r} is not cpu, cuda or cuda:N")
+    sized = dict(SIZES[size])
+    overrides = {**sized.pop("config_overrides", {}), **parse_config_settings(set_ or [])}
     report = make_model(
         arch,  # type: ignore[arg-type]
         out_dir,
@@ -696,7 +706,8 @@ def reference_make_model(
         group_size=group_size,
         from_model=from_model,
         device=device,
-        **SIZES[size],
+        config_overrides=overrides or None,
+        **sized,
     )
     doc = {
         "out": str(report.out),

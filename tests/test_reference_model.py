@@ -120,7 +120,36 @@ def test_bad_arguments_are_exit_2(tmp_path: Path) -> None:
         (["--size", "huge"], "--size: 'huge' is not one of tiny, large"),
         (["--size", "large", "--arch", "llama"], "--size large is a deepseek_v3 config"),
         (["--device", "tpu"], "--device: 'tpu' is not cpu, cuda or cuda:N"),
+        (["--set", "hidden_size"], "--set: 'hidden_size' is not FIELD=VALUE"),
+        (["--arch", "llama", "--set", "n_experts=4"], "llama config has no field 'n_experts'"),
     ):
         run = kdctl("reference", "make-model", *args, "--out", str(tmp_path / "z"))
         assert run.code == 2 and said in run.err and "Traceback" not in run.err, run.err
         assert not (tmp_path / "z").exists()
+
+
+def test_set_changes_the_config(tmp_path: Path) -> None:
+    out = tmp_path / "wider"
+    run = kdctl(
+        "reference",
+        "make-model",
+        "--arch",
+        "llama",
+        "--train-steps",
+        "0",
+        "--set",
+        "hidden_size=256",
+        "--set",
+        "num_hidden_layers=1",
+        "--set",
+        "hidden_act=gelu",
+        "--out",
+        str(out),
+    )
+    assert run.code == 0, run.err
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["hidden_act"]) == (
+        256,
+        1,
+        "gelu",
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -143,6 +143,22 @@ def _config(arch: Arch, overrides: Mapping[str, Any] | None = None) -> Any:
             raise InputError(f"{arch} config has no field {', '.join(map(repr, unknown))}")
         fields.update(overrides)
     return cls(**fields)
+
+
+def parse_config_settings(items: Sequence[str]) -> dict[str, Any]:
+    """`FIELD=VALUE` items (make-model's `--set`) as config overrides: a value is read as JSON
+    where it is JSON (512, 1e-5, true), else kept as text; whether the field exists is the
+    config's to say (`_config`)."""
+    settings: dict[str, Any] = {}
+    for item in items:
+        field, sep, raw = item.partition("=")
+        if not sep or not field.isidentifier():
+            raise InputError(f"--set: {item!r} is not FIELD=VALUE")
+        try:
+            settings[field] = json.loads(raw)
+        except ValueError:
+            settings[field] = raw
+    return settings
 
 
 def _tokenizer(text: str) -> Any:

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -69,8 +69,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_tiny_llama(out: Path, train_steps: int) -> Path:
-    """The tiny Llama vLLM can load, made by kdctl itself: no download."""
+def make_tiny_llama(out: Path, train_steps: int, settings: Sequence[str] = ()) -> Path:
+    """A Llama vLLM can load, made by kdctl itself: no download. `settings` are make-model's
+    `--set FIELD=VALUE` items, for a larger one."""
     made = subprocess.run(
         [
             sys.executable,
@@ -84,6 +85,7 @@ def make_tiny_llama(out: Path, train_steps: int) -> Path:
             str(out),
             "--train-steps",
             str(train_steps),
+            *(arg for item in settings for arg in ("--set", item)),
         ],
         capture_output=True,
         text=True,
@@ -130,13 +132,41 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
+def split_cpus() -> tuple[list[int], list[int]]:
+    """This process's CPUs in two: the first half for a server, the rest for the clients that
+    measure it, so neither can take the other's time (as when they are separate machines).
+    Both halves are all of them where there is only one."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return cpus, cpus
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
 @contextmanager
-def vllm_server(model: Path, served_name: str, log: Path, extra: list[str]) -> Iterator[str]:
+def vllm_server(
+    model: Path,
+    served_name: str,
+    log: Path,
+    extra: list[str],
+    cpus: Sequence[int] | None = None,
+) -> Iterator[str]:
     """vLLM's OpenAI server on loopback, started as TESTING.md says; stopped on the way out,
-    whatever happens inside."""
+    whatever happens inside.
+
+    With `cpus`, every process of the server runs on those CPUs only: its OpenMP workers on all
+    of them but the last, which is left to its API server and engine loop, as vLLM's own
+    automatic binding leaves one; with a single CPU, they share it.
+    """
     port = free_port()
     env = {**_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    pin: list[str] = []
+    if cpus:
+        omp = list(cpus[:-1]) if len(cpus) > 1 else list(cpus)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, omp))
+        pin = ["taskset", "--cpu-list", ",".join(map(str, cpus))]
     cmd = [
+        *pin,
         str(VLLM_PYTHON),
         "-m",
         "vllm.entrypoints.openai.api_server",

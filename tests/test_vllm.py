@@ -154,6 +154,60 @@ def test_status_shows_vllm_with_model_and_version(
     assert backends["vllm"]["version"] in table.out and "tiny-llama" in table.out
 
 
+def test_throughput_records_a_run_on_vllm_and_judges_a_second_one(
+    vllm: str, llama: Path, tmp_path: Path, report: Any
+) -> None:
+    """The throughput gate's whole path on vLLM: `baseline record` measures and stores a run,
+    and the gate measures a second run of the same workload and compares it with that one."""
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {"vllm": {"kind": "openai", "host": "local", "url": vllm}},
+            "gates": {
+                "throughput": {
+                    "workload": {
+                        "input_len": 32,
+                        "output_len": 8,
+                        "concurrency": [4],
+                        "num_prompts": 12,
+                    },
+                    # The same server twice: only this machine's noise can part the two runs.
+                    "min_ratio": 0.5,
+                }
+            },
+            "state_dir": "state",
+        },
+    )
+    recorded = kdctl("baseline", "record", "-b", "vllm", "--only", "throughput", "-i", str(inv))
+    assert recorded.code == 0 and "recorded throughput baseline" in recorded.out, recorded.err
+    run = kdctl(
+        "gate", "run", "throughput", "-b", "vllm", "--baseline", "vllm", "-i", str(inv), "--json"
+    )
+    assert run.out, run.err
+    (result,) = json.loads(run.out)["results"]
+    assert run.code == 0 and result["verdict"] == "pass", result["reasons"]
+    assert "run recorded" in result["reasons"][0]
+    ratio = {m["name"]: m for m in result["metrics"]}["c4.ratio"]
+    assert ratio["threshold"] == 0.5 and ratio["value"] >= 0.5
+    (point,) = result["details"]["points"]
+    # vLLM's usage and the streamed chunks agree: 12 requests of 8 tokens, ignore_eos.
+    assert point["completed"] == 12 and point["failed"] == 0
+    assert point["total_output_tokens"] == 12 * 8 and point["token_count_mismatches"] == 0
+    assert 0 < point["ttft_ms"]["p50"] <= point["e2el_ms"]["p50"]
+    # Stored with the engine's own identity: vLLM's /version and its served model.
+    prov = result["provenance"]
+    assert prov["engine_version"] and prov["model_path"] == str(llama)
+    assert prov["workload_hash"] and prov["config_hash"]
+    evidence = kdctl("evidence", "list", "--gate", "throughput", "-i", str(inv), "--json")
+    assert evidence.code == 0, evidence.err
+    assert [r["id"] for r in json.loads(evidence.out)["results"]] == [result["id"]]
+    report(
+        f"throughput gate on vLLM (CPU, tiny Llama): {point['output_throughput']:.0f} tok/s at "
+        f"concurrency 4, {ratio['value']:.2f} of the recorded run"
+    )
+
+
 def test_api_conformance_of_vllm_against_an_sglang_api(
     vllm: str,
     reference_server,

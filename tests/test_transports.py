@@ -233,6 +233,15 @@ def test_one_transport_serves_threads(fleet: SshdFleet) -> None:
         assert sorted(results, key=int) == [str(i) for i in range(8)]
 
 
+def test_output_written_after_the_command_exits_is_not_lost(fleet: SshdFleet) -> None:
+    # sshd reports the exit status as soon as the shell exits; the child still holds stdout.
+    with ssh(fleet, "gpu") as t:
+        result = t.run(["sh", "-c", "(sleep 0.3; echo late; echo err >&2) & echo early"])
+    assert result.ok
+    assert result.stdout.split() == ["early", "late"]
+    assert result.stderr.strip() == "err"
+
+
 def test_a_revoked_host_key_is_refused_even_under_accept_new(
     fleet: SshdFleet, tmp_path: Path
 ) -> None:

@@ -227,8 +227,11 @@ class SSHTransport(Transport):
                     out += chan.recv(65536)
                 while chan.recv_stderr_ready():
                     err += chan.recv_stderr(65536)
+                # sshd sends exit-status when the child exits, possibly before the rest of its
+                # output has left the pipe; only EOF says that all of it has arrived.
                 if (
                     chan.exit_status_ready()
+                    and chan.eof_received
                     and not chan.recv_ready()
                     and not chan.recv_stderr_ready()
                 ):

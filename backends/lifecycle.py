@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.backends.health import HealthResult
-from kdctl.inventory import BackendSpec, CommandService, SystemdService
+from kdctl.inventory import BackendSpec, CommandService, SystemdService, resolve_service_env
 from kdctl.probes import ServiceState, probe_service
 from kdctl.transports import Transport
 
@@ -90,7 +90,8 @@ class ServiceControl:
         # Names are validated identifiers (inventory); values are quoted. As assignments before
         # the command they reach the engine's environment without `env`, which would take a
         # program name containing "=" for one more assignment.
-        env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(svc.env.items()))
+        values = resolve_service_env(self.name, svc)
+        env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(values.items()))
         # The engine writes its own pid ($$ of the shell that then execs it): `$!` after `&`
         # names a subshell under bash, which would leave a pidfile pointing at the wrong process.
         inner = 'echo $$ > "$1" && shift && exec "$@"'
@@ -102,7 +103,8 @@ class ServiceControl:
             f"for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s {shlex.quote(svc.pidfile)} ] && exit 0; "
             f"sleep 0.1; done\nexit 1"
         )
-        result = self.transport.run(["sh", "-c", script], timeout=60)
+        # On stdin, not in argv: the values (a hub token) would show in `ps` on the host.
+        result = self.transport.run(["sh", "-s"], stdin=script.encode(), timeout=60)
         if not result.ok:
             why = result.stderr.strip()[-300:] or "no pid within 1s"
             raise BackendError(
@@ -147,6 +149,9 @@ class ServiceControl:
         return LifecycleResult("stop", True, self.state(), detail)
 
     def restart(self) -> LifecycleResult:
+        if isinstance(self.service, CommandService):
+            # Before the stop: an engine that cannot be started again must not be stopped.
+            resolve_service_env(self.name, self.service)
         self.stop()
         started = self.start()
         return LifecycleResult("restart", True, started.state)

@@ -26,9 +26,9 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path, need_nginx: str) -> None
     # Each command with its exit code, in the story's order.
     steps = re.findall(r"^\$ (kdctl [^\n]*)\n(?:.*?\n)*?\(exit (\d+)\)", out, re.MULTILINE)
     codes = {cmd.split(" --dir")[0].split(" -o")[0]: int(code) for cmd, code in steps}
-    assert codes["kdctl cutover --to candidate-int4 --yes"] == 1
-    assert codes["kdctl cutover --to candidate --watch 5 --yes"] == 0
-    assert codes["kdctl rollback --yes"] == 0 and codes["kdctl sandbox down"] == 0
+    assert codes["kdctl cutover --to candidate-int4 --yes"] == 1, out[-3000:]
+    assert codes["kdctl cutover --to candidate --watch 5 --yes"] == 0, out[-3000:]
+    assert codes["kdctl rollback --yes"] == 0 and codes["kdctl sandbox down"] == 0, out[-3000:]
     assert "Serving now: baseline at weight 100; speed-optimized: unmeasured" in out
     assert re.search(
         r"cutover to candidate-int4 refused: exact/exactness:candidate-int4: fail", out

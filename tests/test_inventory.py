@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -24,6 +25,13 @@ backends:
     url: http://10.0.0.5:30000
     gpus: [0, 1, 2, 3]
     tp_size: 4
+"""
+
+COMMAND_SERVICE = """\
+    service:
+      command: serve
+      pidfile: /run/x.pid
+      log: /var/log/x.log
 """
 
 # (name, inventory text, expected line, text the message must contain)
@@ -137,6 +145,12 @@ BAD = [
         4,
         "must be one of 'reject' or 'accept-new' (got 'yolo')",
     ),
+    (
+        "env from a bad variable name",
+        GOOD + COMMAND_SERVICE + "      env: {HF_TOKEN: {from_env: 'HF TOKEN'}}\n",
+        17,
+        "backends.sglang.service.env.HF_TOKEN.from_env: 'HF TOKEN' is not an environment",
+    ),
     ("not a mapping", "- hosts\n- backends\n", 1, "must be a mapping"),
     ("no hosts", "backends: {}\n", 1, "hosts: required field is missing"),
     (
@@ -159,6 +173,23 @@ def test_malformed_inventory_is_refused_with_line_and_field(
     assert "Traceback" not in run.err + run.out
     assert f"{path}:{line}:" in run.err, run.err
     assert needle in run.err, run.err
+
+
+def test_a_secret_in_a_service_env_is_refused_without_echoing_it(tmp_path: Path) -> None:
+    path = tmp_path / "inventory.yaml"
+    env = "      env: {MAX_TOKENS: '64', HF_TOKEN: hf_s3cr3t}\n"
+    path.write_text(GOOD + COMMAND_SERVICE + env)
+    run = kdctl("inventory", "check", "-i", str(path))
+    assert run.code == 2
+    assert f"{path}:17: backends.sglang.service.env: HF_TOKEN looks like a secret" in run.err
+    assert "hf_s3cr3t" not in run.err + run.out
+    # Named, not given: the value is read where kdctl runs, and only the name is shown.
+    path.write_text(GOOD + COMMAND_SERVICE + env.replace("hf_s3cr3t", "{from_env: HF_TOKEN}"))
+    run = kdctl("inventory", "check", "-i", str(path), "--json", env={"HF_TOKEN": "hf_s3cr3t"})
+    assert run.code == 0, run.err
+    assert "hf_s3cr3t" not in run.out
+    service = json.loads(run.out)["spec"]["backends"]["sglang"]["service"]
+    assert service["env"] == {"MAX_TOKENS": "64", "HF_TOKEN": {"from_env": "HF_TOKEN"}}
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:

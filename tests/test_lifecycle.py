@@ -5,15 +5,17 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kdctl.backends import make_backend
 from kdctl.backends.errors import BackendError
+from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec, HostSpec
-from kdctl.transports import LocalTransport, Transport
+from kdctl.transports import CommandResult, LocalTransport, Transport
 from kdctl.transports.ssh import SSHTransport
 from tests.support.sshd import SshdFleet, free_port
 
@@ -30,6 +32,27 @@ def shared_dir(models: dict[str, Path]) -> Iterator[Path]:
         p.chmod(0o755 if p.is_dir() else 0o644)
     yield root
     shutil.rmtree(root, ignore_errors=True)
+
+
+MARKER = "a value; with $(spaces)"
+TOKEN = "hf_kdctl_test_5c1e"
+
+
+class RecordingTransport(LocalTransport):
+    """The local transport, keeping every argv it ran: what `ps` on the host would show."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.argvs: list[tuple[str, ...]] = []
+
+    def run(self, argv: Sequence[str], **kwargs: Any) -> CommandResult:
+        self.argvs.append(tuple(argv))
+        return super().run(argv, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def hub_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KDCTL_TEST_HUB_TOKEN", TOKEN)
 
 
 def engine_spec(root: Path, port: int, *, model: Path | None = None) -> BackendSpec:
@@ -53,7 +76,10 @@ def engine_spec(root: Path, port: int, *, model: Path | None = None) -> BackendS
                 "pidfile": str(root / "engine.pid"),
                 "log": str(root / "engine.log"),
                 "workdir": str(root),
-                "env": {"KDCTL_TEST_MARKER": "a value; with $(spaces)"},
+                "env": {
+                    "KDCTL_TEST_MARKER": MARKER,
+                    "HF_TOKEN": {"from_env": "KDCTL_TEST_HUB_TOKEN"},
+                },
             },
         }
     )
@@ -71,7 +97,7 @@ def cycle(transport: Transport, root: Path) -> None:
     assert health.state == "up"
     pid = control.state().pid
     env = transport.run(["cat", f"/proc/{pid}/environ"]).stdout.split("\x00")
-    assert "KDCTL_TEST_MARKER=a value; with $(spaces)" in env
+    assert f"KDCTL_TEST_MARKER={MARKER}" in env and f"HF_TOKEN={TOKEN}" in env
     restarted = control.restart()
     assert restarted.state.state == "running" and restarted.state.pid != pid
     assert not transport.run(["test", "-e", f"/proc/{pid}"]).ok
@@ -86,7 +112,28 @@ def cycle(transport: Transport, root: Path) -> None:
 
 
 def test_lifecycle_locally(shared_dir: Path) -> None:
-    cycle(LocalTransport("local"), shared_dir)
+    transport = RecordingTransport("local")
+    cycle(transport, shared_dir)
+    started = [argv for argv in transport.argvs if argv[:2] == ("sh", "-s")]
+    assert len(started) == 2  # start and restart
+    assert not [argv for argv in transport.argvs if any(TOKEN in a or MARKER in a for a in argv)]
+
+
+def test_a_missing_from_env_variable_stops_nothing(
+    shared_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KDCTL_TEST_HUB_TOKEN")
+    control = make_backend("engine", engine_spec(shared_dir, free_port())).lifecycle(
+        LocalTransport("local")
+    )
+    with pytest.raises(InputError) as exc:
+        control.start()
+    assert str(exc.value) == (
+        "backends.engine.service.env.HF_TOKEN: environment variable KDCTL_TEST_HUB_TOKEN "
+        "is not set where kdctl runs"
+    )
+    assert not (shared_dir / "engine.pid").exists()
+    assert control.state().state == "stopped"
 
 
 def test_lifecycle_over_ssh(fleet: SshdFleet, shared_dir: Path) -> None:

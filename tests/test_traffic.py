@@ -444,6 +444,7 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
             ("candidate-int4", "dsv3-int4"),
         )
     }
+    backends["candidate"]["service"]["env"] = {"HF_TOKEN": {"from_env": "KDCTL_TEST_HUB_TOKEN"}}
     (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
     inv_path = write_inventory(
         tmp_path / "inv.yaml",
@@ -504,10 +505,25 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         assert not (tmp_path / "candidate-int4.pid").exists()
         assert httpx.get(backends["baseline"]["url"] + "/health").status_code == 200
 
-        good = kdctl(
-            "cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json", timeout=600
+        args = ("cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json")
+        # The candidate's hub token is missing where kdctl runs: refused before the drain.
+        assert "KDCTL_TEST_HUB_TOKEN" not in os.environ
+        routed = include.read_text()
+        unset = kdctl(*args, timeout=600)
+        assert unset.code == 2, unset.out + unset.err
+        assert (
+            f"{inv}: backends.candidate.service.env.HF_TOKEN: environment variable "
+            "KDCTL_TEST_HUB_TOKEN is not set" in unset.err
         )
+        assert httpx.get(backends["baseline"]["url"] + "/health").status_code == 200
+        assert include.read_text() == routed
+
+        token = "hf_kdctl_test_9f3a"
+        good = kdctl(*args, env={"KDCTL_TEST_HUB_TOKEN": token}, timeout=600)
         assert good.code == 0, good.out + good.err
+        assert token not in good.out + good.err
+        pid = (tmp_path / "candidate.pid").read_text().strip()
+        assert f"HF_TOKEN={token}" in Path(f"/proc/{pid}/environ").read_text().split("\x00")
         outcome = json.loads(good.out)
         assert outcome["state"] == "succeeded" and outcome["router"]["weights"] == {
             "candidate": 100

@@ -9,10 +9,12 @@ from kdctl.inventory._load import (
     local_path,
     resolve_api_key,
     resolve_inventory_path,
+    resolve_service_env,
 )
 from kdctl.inventory.models import (
     BackendSpec,
     CommandService,
+    FromEnv,
     GateSettings,
     HostSpec,
     Inventory,
@@ -25,6 +27,7 @@ __all__ = [
     "ENV_STATE_DIR",
     "BackendSpec",
     "CommandService",
+    "FromEnv",
     "GateSettings",
     "HostSpec",
     "Inventory",
@@ -36,4 +39,5 @@ __all__ = [
     "local_path",
     "resolve_api_key",
     "resolve_inventory_path",
+    "resolve_service_env",
 ]

@@ -21,8 +21,9 @@ from kdctl.errors import InputError
 from kdctl.inventory import _yaml
 from kdctl.inventory.models import (
     BUILTIN_BACKEND_KINDS,
-    SERVICE_TAGS,
+    UNION_TAGS,
     BackendSpec,
+    CommandService,
     HostSpec,
     Inventory,
 )
@@ -55,6 +56,14 @@ class LoadedInventory:
 
     def api_key(self, backend: str) -> SecretStr | None:
         return resolve_api_key(self.spec.backends[backend], self.path.parent)
+
+    def service_env(self, backend: str) -> dict[str, str]:
+        """What a command service hands its engine; InputError naming this file and each
+        variable kdctl's environment lacks."""
+        service = self.spec.backends[backend].service
+        if not isinstance(service, CommandService):
+            return {}
+        return resolve_service_env(backend, service, source=str(self.path))
 
 
 def backend_kinds() -> list[str]:
@@ -109,6 +118,35 @@ def resolve_api_key(backend: BackendSpec, base: Path) -> SecretStr | None:
         except OSError:
             return None
     return None
+
+
+def resolve_service_env(
+    backend: str,
+    service: CommandService,
+    *,
+    source: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The engine's environment with every `from_env` filled in; an unset variable is an
+    InputError. Read when the engine starts, not when the inventory loads: `kdctl status` on a
+    laptop needs no hub token."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, str] = {}
+    missing: list[str] = []
+    for name, value in service.env.items():
+        if isinstance(value, str):
+            values[name] = value
+        elif value.from_env in environ:
+            values[name] = environ[value.from_env]
+        else:
+            where = f"{source}: " if source else ""
+            missing.append(
+                f"{where}backends.{backend}.service.env.{name}: environment variable "
+                f"{value.from_env} is not set where kdctl runs"
+            )
+    if missing:
+        raise InputError("\n".join(missing))
+    return values
 
 
 def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
@@ -220,7 +258,7 @@ def pydantic_problems(
 ) -> list[tuple[Loc, str]]:
     problems: list[tuple[Loc, str]] = []
     for err in exc.errors(include_url=False):
-        loc = tuple(p for p in err["loc"] if p not in SERVICE_TAGS and p != "[key]")
+        loc = tuple(p for p in err["loc"] if p not in UNION_TAGS and p != "[key]")
         kind, ctx = err["type"], err.get("ctx") or {}
         bounds = {
             "greater_than_equal": ">=",

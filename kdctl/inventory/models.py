@@ -137,12 +137,50 @@ class SystemdService(_Model):
     scope: Literal["system", "user"] = "system"
 
 
+class FromEnv(_Model):
+    """A value taken from kdctl's own environment when the engine starts: a secret such as a
+    hub token then lives in neither the inventory nor anything kdctl prints."""
+
+    from_env: EnvVar
+
+
+def _env_value_tag(value: Any) -> str:
+    return "from-env" if isinstance(value, dict | FromEnv) else "literal"
+
+
+# Tagged, so that a bad value gets one message, not one per shape it failed to be.
+EnvValue = Annotated[
+    Annotated[str, Tag("literal")] | Annotated[FromEnv, Tag("from-env")],
+    Discriminator(_env_value_tag),
+]
+
+# Parts of a variable's name that say it holds a credential (HF_TOKEN, OPENAI_API_KEY).
+_SECRET_WORDS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIALS"}
+
+
+def _env_values(env: dict[str, str | FromEnv]) -> dict[str, str | FromEnv]:
+    for name, value in env.items():
+        if not isinstance(value, str):
+            continue
+        if "\x00" in value:
+            raise ValueError(f"{name}: a value cannot hold a NUL character")
+        if _SECRET_WORDS & set(name.upper().split("_")):
+            # As for URLs: secrets belong in kdctl's environment, never in a file people share.
+            raise ValueError(
+                f"{name} looks like a secret; write {{from_env: {name}}} and export it where "
+                "kdctl runs instead of putting the value here"
+            )
+    return env
+
+
 class CommandService(_Model):
     command: str | list[str]
     pidfile: HostPath
     log: HostPath
     workdir: HostPath | None = None
-    env: dict[EnvVar, str] = Field(default_factory=dict)
+    env: Annotated[dict[EnvVar, EnvValue], AfterValidator(_env_values)] = Field(
+        default_factory=dict
+    )
 
     @property
     def argv(self) -> list[str]:
@@ -181,7 +219,8 @@ Service = Annotated[
         "with 'pidfile' and 'log'",
     ),
 ]
-SERVICE_TAGS = ("systemd-unit", "command-line")
+# Union tags pydantic puts in an error's location; a person names the field without them.
+UNION_TAGS = ("systemd-unit", "command-line", "literal", "from-env")
 
 
 class BackendSpec(_Model):

@@ -121,6 +121,10 @@ def plan_cutover(
             if w < 100:
                 steps.append(Step(kind="watch", seconds=watch_s))
     else:
+        # A swap stops one engine and starts the other, and a rollback starts the first again:
+        # both must be startable before anything is drained.
+        for name in (to, src):
+            inv.service_env(name)
         steps += [
             Step(kind="drain"),
             Step(kind="stop", backend=src),

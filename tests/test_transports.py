@@ -253,6 +253,34 @@ def test_a_revoked_host_key_is_refused_even_under_accept_new(
     assert kh.read_text() == f"@revoked * {kind} {b64}\n"  # not recorded as a new key
 
 
+@pytest.mark.parametrize("patterns", ["[127.0.0.?]:*", "other,[127.0.0.1]:*", "hashed"])
+def test_a_host_under_a_certificate_authority_is_refused_with_the_reason(
+    fleet: SshdFleet, tmp_path: Path, patterns: str
+) -> None:
+    import paramiko
+
+    port = fleet.hosts["plain"].port
+    if patterns == "hashed":
+        patterns = paramiko.HostKeys.hash_host(f"[127.0.0.1]:{port}")
+    ca_key = fleet.userkey.with_suffix(".pub").read_text().split()[:2]
+    kh = tmp_path / "known_hosts"
+    text = f"other.example {' '.join(ca_key)}\n@cert-authority {patterns} {' '.join(ca_key)}\n"
+    kh.write_text(text)
+    with pytest.raises(HostKeyError) as exc:
+        ssh(fleet, "plain", known_hosts=kh, host_key_policy="accept-new").connect()
+    assert f"{kh}:2 trusts a certificate authority (@cert-authority) for [127.0.0.1]:{port}" in (
+        str(exc.value)
+    )
+    assert kh.read_text() == text  # never downgraded to a recorded bare key
+    # Outside the CA's scope (negated, or the pattern without the port): then only unknown.
+    kh.write_text(
+        f"@cert-authority *,![127.0.0.1]:* {' '.join(ca_key)}\n"
+        f"@cert-authority 127.0.0.1 {' '.join(ca_key)}\n"
+    )
+    with pytest.raises(HostKeyError, match="is not in"):
+        ssh(fleet, "plain", known_hosts=kh).connect()
+
+
 def test_a_garbled_known_hosts_line_is_named(fleet: SshdFleet, tmp_path: Path) -> None:
     kh = tmp_path / "known_hosts"
     kh.write_text("# a comment\n[127.0.0.1]:1 ssh-ed25519 not-base64!!\n")

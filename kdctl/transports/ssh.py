@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import re
 import select
 import shlex
 import socket
@@ -36,6 +37,40 @@ def is_revoked(known_hosts: Path, key: paramiko.PKey) -> bool:
     return any(line.startswith("@revoked") and blob in line.split() for line in lines)
 
 
+def _glob(pattern: str, hostname: str) -> bool:
+    # OpenSSH's globs know `*` and `?` only: the brackets of `[host]:port` are literal.
+    regex = re.escape(pattern).replace(r"\*", ".*").replace(r"\?", ".")
+    return re.fullmatch(regex, hostname, re.IGNORECASE) is not None
+
+
+def _matches(patterns: str, hostname: str) -> bool:
+    """OpenSSH's known_hosts host field: comma-separated globs, `!` negates, `|1|` is hashed."""
+    hit = False
+    for pattern in patterns.split(","):
+        if pattern.startswith("|1|"):
+            salt = pattern.split("|")[2]
+            hit = hit or paramiko.HostKeys.hash_host(hostname, salt) == pattern
+        elif pattern.startswith("!"):
+            if _glob(pattern[1:], hostname):
+                return False
+        else:
+            hit = hit or _glob(pattern, hostname)
+    return hit
+
+
+def cert_authority_line(known_hosts: Path, hostname: str) -> int | None:
+    """The line of a `@cert-authority` entry that covers `hostname`, if any."""
+    try:
+        lines = known_hosts.read_text().splitlines()
+    except OSError:
+        return None
+    for no, line in enumerate(lines, 1):
+        fields = line.split()
+        if len(fields) >= 2 and fields[0] == "@cert-authority" and _matches(fields[1], hostname):
+            return no
+    return None
+
+
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     """Refuses unknown keys, or with `accept-new` records them, as OpenSSH's option does.
 
@@ -56,6 +91,17 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
             raise HostKeyError(
                 self.name,
                 f"host key {fingerprint} is marked @revoked in {self.known_hosts}",
+                fingerprint,
+            )
+        ca_line = cert_authority_line(self.known_hosts, hostname)
+        if ca_line is not None:
+            # Recording the bare key under accept-new would drop the trust the CA was meant to
+            # give; paramiko cannot check host certificates, so the only safe answer is no.
+            raise HostKeyError(
+                self.name,
+                f"{self.known_hosts}:{ca_line} trusts a certificate authority (@cert-authority) "
+                f"for {hostname}, and kdctl checks plain host keys only: verify the host's key "
+                f"({fingerprint}) and add it to known_hosts as its own line",
                 fingerprint,
             )
         if self.spec.host_key_policy != "accept-new":

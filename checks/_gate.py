@@ -5,14 +5,21 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from kdctl import __version__
 from kdctl.backends import Backend, EngineInfo
-from kdctl.checks.result import Baseline, BaselineKind, GateResult, Provenance, content_hash
-from kdctl.errors import InputError
+from kdctl.checks.result import (
+    Baseline,
+    BaselineKind,
+    GateResult,
+    Provenance,
+    content_hash,
+    utcnow,
+)
+from kdctl.errors import InputError, KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration
 from kdctl.transports import Transport
@@ -57,6 +64,29 @@ class Gate(abc.ABC):
 
     @abc.abstractmethod
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...
+
+    def errored(
+        self,
+        ctx: GateContext,
+        backend: str,
+        baseline: str | None,
+        exc: KdctlError,
+        *,
+        info: EngineInfo | None,
+        workload: str | None,
+        started: datetime,
+    ) -> GateResult:
+        """A run that could not measure: verdict error, saying why, with what was known."""
+        return GateResult(
+            gate=self.name,
+            backend=backend,
+            baseline=baseline,
+            verdict="error",
+            reasons=[str(exc)],
+            provenance=provenance_of(ctx, backend, info, workload),
+            started_at=started,
+            ended_at=utcnow(),
+        )
 
 
 def provenance_of(

@@ -252,15 +252,8 @@ class ApiConformanceGate(Gate):
                 info = be.info()
                 got = observe(be)
         except KdctlError as exc:
-            return GateResult(
-                gate=self.name,
-                backend=backend,
-                baseline=baseline,
-                verdict="error",
-                reasons=[str(exc)],
-                provenance=provenance_of(ctx, backend, info, API_WORKLOAD),
-                started_at=started,
-                ended_at=utcnow(),
+            return self.errored(
+                ctx, backend, baseline, exc, info=info, workload=API_WORKLOAD, started=started
             )
         found = compare(want, got)
         held = [n for n, a in want.items() if a.get("status") is not None]

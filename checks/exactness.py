@@ -184,15 +184,8 @@ class ExactnessGate(Gate):
                 info = be.info()
                 cand_out = generate_outputs(be, corpus, settings)
         except KdctlError as exc:
-            return GateResult(
-                gate=self.name,
-                backend=backend,
-                baseline=baseline,
-                verdict="error",
-                reasons=[str(exc)],
-                provenance=provenance_of(ctx, backend, info, workload),
-                started_at=started,
-                ended_at=utcnow(),
+            return self.errored(
+                ctx, backend, baseline, exc, info=info, workload=workload, started=started
             )
         by_id = {o["id"]: o for o in base_out}
         missing = [c["id"] for c in cand_out if c["id"] not in by_id]

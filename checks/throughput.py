@@ -147,15 +147,8 @@ class ThroughputGate(Gate):
                 info = be.info()
                 points = measure(ctx, be, settings, requests)
         except KdctlError as exc:
-            return GateResult(
-                gate=self.name,
-                backend=backend,
-                baseline=baseline,
-                verdict="error",
-                reasons=[str(exc)],
-                provenance=provenance_of(ctx, backend, info, workload),
-                started_at=started,
-                ended_at=utcnow(),
+            return self.errored(
+                ctx, backend, baseline, exc, info=info, workload=workload, started=started
             )
         metrics, reasons, verdict = judge(settings, points, base_points)
         if source:

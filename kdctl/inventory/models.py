@@ -173,21 +173,17 @@ def _env_values(env: dict[str, str | FromEnv]) -> dict[str, str | FromEnv]:
     return env
 
 
-class CommandService(_Model):
+class _Command(_Model):
+    """A program to run: one shell-like string, split as a shell would, or a list of args."""
+
     command: str | list[str]
-    pidfile: HostPath
-    log: HostPath
-    workdir: HostPath | None = None
-    env: Annotated[dict[EnvVar, EnvValue], AfterValidator(_env_values)] = Field(
-        default_factory=dict
-    )
 
     @property
     def argv(self) -> list[str]:
         return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
 
     @model_validator(mode="after")
-    def _splits(self) -> CommandService:
+    def _splits(self) -> _Command:
         try:
             argv = self.argv
         except ValueError as exc:
@@ -195,6 +191,15 @@ class CommandService(_Model):
         if not argv or not argv[0]:
             raise ValueError("command must not be empty")
         return self
+
+
+class CommandService(_Command):
+    pidfile: HostPath
+    log: HostPath
+    workdir: HostPath | None = None
+    env: Annotated[dict[EnvVar, EnvValue], AfterValidator(_env_values)] = Field(
+        default_factory=dict
+    )
 
 
 def _service_tag(value: Any) -> str | None:
@@ -347,30 +352,15 @@ def _threshold(value: str) -> str:
 Threshold = Annotated[str, AfterValidator(_threshold)]
 
 
-class CommandCheck(_Model):
+class CommandCheck(_Command):
     """A program on the backend's host that prints one JSON object of metrics (the native
     engine's kernel benchmark, its test suite), judged by thresholds on those metrics."""
 
-    command: str | list[str]
     workdir: HostPath | None = None
     timeout_s: Annotated[float, Field(gt=0)] = 600.0
     thresholds: dict[str, Threshold] = Field(min_length=1)
     # The backends it judges; unset, every backend.
     backends: list[Name] | None = None
-
-    @property
-    def argv(self) -> list[str]:
-        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
-
-    @model_validator(mode="after")
-    def _splits(self) -> CommandCheck:
-        try:
-            argv = self.argv
-        except ValueError as exc:
-            raise ValueError(f"command cannot be split into arguments: {exc}") from None
-        if not argv or not argv[0]:
-            raise ValueError("command must not be empty")
-        return self
 
     def parsed(self) -> dict[str, tuple[str, float]]:
         return {metric: parse_threshold(text) for metric, text in self.thresholds.items()}

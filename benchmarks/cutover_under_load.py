@@ -32,6 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kdctl.backends.reference import serve_argv  # noqa: E402
 from kdctl.inventory import load_inventory  # noqa: E402
 from kdctl.traffic import make_router  # noqa: E402
 from kdctl.transports import TransportPool  # noqa: E402
@@ -44,19 +45,7 @@ SERVED = "tiny"
 def serve(model: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kdctl",
-            "reference",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-            "--served-model-name",
-            SERVED,
-        ],
+        serve_argv(model, port, served_name=SERVED),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

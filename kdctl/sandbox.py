@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel
 
 from kdctl.backends import make_backend
+from kdctl.backends.reference import serve_argv
 from kdctl.errors import InfraError, InputError
 from kdctl.inventory import LoadedInventory, load_inventory
 from kdctl.transports import TransportPool
@@ -94,19 +95,7 @@ def _inventory(root: Path, router: str) -> dict[str, Any]:
             "tp_size": 1,
             "model": str(root / "models" / model),
             "service": {
-                "command": [
-                    sys.executable,
-                    "-m",
-                    "kdctl",
-                    "reference",
-                    "serve",
-                    "--model",
-                    str(root / "models" / model),
-                    "--port",
-                    str(port),
-                    "--served-model-name",
-                    model,
-                ],
+                "command": serve_argv(root / "models" / model, port, served_name=model),
                 "pidfile": str(root / "run" / f"{name}.pid"),
                 "log": str(root / "log" / f"{name}.log"),
             },

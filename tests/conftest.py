@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kdctl.backends.reference import serve_argv
 from tests.support.sshd import SSHD, SshdFleet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,6 +54,19 @@ def kdctl(
         timeout=timeout,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def native_http(url: str, **extra: Any) -> dict[str, Any]:
+    """An inventory entry for the native engine behind its HTTP server on this machine."""
+    return {"kind": "native", "mode": "http", "host": "local", "url": url, **extra}
+
+
+def engine_pair(baseline_url: str, candidate_url: str) -> dict[str, dict[str, Any]]:
+    """The two engines most tests compare: SGLang serving today and the native candidate."""
+    return {
+        "baseline": {"kind": "sglang", "host": "local", "url": baseline_url},
+        "candidate": native_http(candidate_url),
+    }
 
 
 def write_inventory(path: Path, data: dict[str, Any]) -> Path:
@@ -146,22 +160,10 @@ def serve_reference(model: Path, *, api_key: str | None = None) -> Served:
 
     port = free_port()
     env = {**os.environ}
-    args = [
-        sys.executable,
-        "-m",
-        "kdctl",
-        "reference",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--served-model-name",
-        model.name,
-    ]
+    key_env = "KDCTL_TEST_SERVE_KEY" if api_key else None
     if api_key:
         env["KDCTL_TEST_SERVE_KEY"] = api_key
-        args += ["--api-key-env", "KDCTL_TEST_SERVE_KEY"]
+    args = serve_argv(model, port, served_name=model.name, api_key_env=key_env)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kdctl.checks.api_conformance import compare, differences, merge, shape
-from tests.conftest import Served, kdctl, write_inventory
+from tests.conftest import Served, engine_pair, kdctl, write_inventory
 
 pytest.importorskip("torch")
 
@@ -20,15 +20,7 @@ def test_the_same_api_conforms(
         tmp_path / "inv.yaml",
         {
             "hosts": {"local": {"transport": "local"}},
-            "backends": {
-                "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
-                "candidate": {
-                    "kind": "native",
-                    "mode": "http",
-                    "host": "local",
-                    "url": twin_server.url,
-                },
-            },
+            "backends": engine_pair(reference_server.url, twin_server.url),
             "state_dir": "state",
         },
     )

@@ -10,7 +10,7 @@ import pytest
 
 from kdctl.checks.exactness import compare_prompt
 from kdctl.evidence import EvidenceStore
-from tests.conftest import Served, kdctl, write_inventory
+from tests.conftest import Served, kdctl, native_http, write_inventory
 
 pytest.importorskip("torch")
 KEY = "sk-test-7f1e"
@@ -30,20 +30,10 @@ def inventory(tmp_path: Path, reference_server: Served, twin_server: Served, key
                         "url": reference_server.url,
                         "model": str(reference_server.model),
                     },
-                    "candidate": {
-                        "kind": "native",
-                        "mode": "http",
-                        "host": "local",
-                        "url": twin_server.url,
-                        "model": str(twin_server.model),
-                    },
-                    "candidate-int4": {
-                        "kind": "native",
-                        "mode": "http",
-                        "host": "local",
-                        "url": keyed_server.url,
-                        "api_key_env": "KDCTL_TEST_INT4_KEY",
-                    },
+                    "candidate": native_http(twin_server.url, model=str(twin_server.model)),
+                    "candidate-int4": native_http(
+                        keyed_server.url, api_key_env="KDCTL_TEST_INT4_KEY"
+                    ),
                     "down": {"kind": "sglang", "host": "local", "url": "http://127.0.0.1:9"},
                 },
                 "gates": {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from kdctl.backends import make_backend
 from kdctl.backends.errors import BackendError
+from kdctl.backends.reference import serve_argv
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec, HostSpec
 from kdctl.transports import CommandResult, LocalTransport, Transport
@@ -62,17 +62,7 @@ def engine_spec(root: Path, port: int, *, model: Path | None = None) -> BackendS
             "host": "h",
             "url": f"http://127.0.0.1:{port}",
             "service": {
-                "command": [
-                    sys.executable,
-                    "-m",
-                    "kdctl",
-                    "reference",
-                    "serve",
-                    "--model",
-                    str(model or root / "model"),
-                    "--port",
-                    str(port),
-                ],
+                "command": serve_argv(model or root / "model", port),
                 "pidfile": str(root / "engine.pid"),
                 "log": str(root / "engine.log"),
                 "workdir": str(root),

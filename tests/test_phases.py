@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, Served, _need, kdctl, write_inventory
+from tests.conftest import REPO, Served, _need, engine_pair, kdctl, native_http, write_inventory
 
 pytest.importorskip("torch")
 KEY = "sk-test-7f1e"
@@ -76,20 +76,10 @@ def setup(tmp_path: Path, reference_server: Served, twin_server: Served, keyed_s
             {
                 "hosts": {"local": {"transport": "local"}},
                 "backends": {
-                    "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
-                    "candidate": {
-                        "kind": "native",
-                        "mode": "http",
-                        "host": "local",
-                        "url": twin_server.url,
-                    },
-                    "candidate-int4": {
-                        "kind": "native",
-                        "mode": "http",
-                        "host": "local",
-                        "url": keyed_server.url,
-                        "api_key_env": "KDCTL_TEST_INT4_KEY",
-                    },
+                    **engine_pair(reference_server.url, twin_server.url),
+                    "candidate-int4": native_http(
+                        keyed_server.url, api_key_env="KDCTL_TEST_INT4_KEY"
+                    ),
                 },
                 "router": {
                     "kind": "nginx",

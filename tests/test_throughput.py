@@ -23,7 +23,7 @@ from kdctl.load import (
     percentile,
     run_load,
 )
-from tests.conftest import Served, kdctl, write_inventory
+from tests.conftest import Served, engine_pair, kdctl, write_inventory
 
 pytest.importorskip("torch")
 OUTPUT_LEN = 6
@@ -38,13 +38,7 @@ def inventory(tmp_path: Path, reference_server: Served, twin_server: Served):  #
             {
                 "hosts": {"local": {"transport": "local"}},
                 "backends": {
-                    "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
-                    "candidate": {
-                        "kind": "native",
-                        "mode": "http",
-                        "host": "local",
-                        "url": twin_server.url,
-                    },
+                    **engine_pair(reference_server.url, twin_server.url),
                     "down": {"kind": "sglang", "host": "local", "url": "http://127.0.0.1:9"},
                 },
                 "gates": {

@@ -18,7 +18,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import Served, kdctl, serve_reference, wait_http, write_inventory
+from kdctl.backends.reference import serve_argv
+from tests.conftest import Served, engine_pair, kdctl, serve_reference, wait_http, write_inventory
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
@@ -121,15 +122,7 @@ def front(
     (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
     data = {
         "hosts": {"local": {"transport": "local"}},
-        "backends": {
-            "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
-            "candidate": {
-                "kind": "native",
-                "mode": "http",
-                "host": "local",
-                "url": twin_server.url,
-            },
-        },
+        "backends": engine_pair(reference_server.url, twin_server.url),
         "router": {
             "kind": "nginx",
             "host": "local",
@@ -362,15 +355,7 @@ def test_sglang_router_blue_green_and_rollback(
             tmp_path / "inv.yaml",
             {
                 "hosts": {"local": {"transport": "local"}},
-                "backends": {
-                    "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url},
-                    "candidate": {
-                        "kind": "native",
-                        "mode": "http",
-                        "host": "local",
-                        "url": twin_server.url,
-                    },
-                },
+                "backends": engine_pair(reference_server.url, twin_server.url),
                 "router": {
                     "kind": "sglang-router",
                     "host": "local",
@@ -400,17 +385,7 @@ def test_sglang_router_blue_green_and_rollback(
 
 def _service(root: Path, name: str, model: Path, port: int) -> dict[str, Any]:
     return {
-        "command": [
-            sys.executable,
-            "-m",
-            "kdctl",
-            "reference",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            str(port),
-        ],
+        "command": serve_argv(model, port),
         "pidfile": str(root / f"{name}.pid"),
         "log": str(root / f"{name}.log"),
     }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from importlib.util import find_spec
+from pathlib import Path
 
 from kdctl.errors import InputError
 
@@ -16,3 +18,22 @@ def require_extra(*modules: str) -> None:
         raise InputError(
             f"the reference model needs {', '.join(missing)}: pip install 'kdctl[reference]'"
         )
+
+
+def serve_argv(
+    model: Path | str,
+    port: int,
+    *,
+    served_name: str | None = None,
+    api_key_env: str | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line of `kdctl reference serve`: what a service, a test or a benchmark runs
+    to put the reference model behind SGLang's API on loopback."""
+    argv = [python, "-m", "kdctl", "reference", "serve", "--model", str(model)]
+    argv += ["--port", str(port)]
+    if served_name:
+        argv += ["--served-model-name", served_name]
+    if api_key_env:
+        argv += ["--api-key-env", api_key_env]
+    return argv

@@ -126,6 +126,7 @@ def _builtin() -> dict[str, type[Gate]]:
     from kdctl.checks.command import CommandGate
     from kdctl.checks.exactness import ExactnessGate
     from kdctl.checks.health import HealthGate
+    from kdctl.checks.promotion import PromotionGate
     from kdctl.checks.signoff import SignOffGate
     from kdctl.checks.throughput import ThroughputGate
     from kdctl.checks.tp_health import TpHealthGate
@@ -138,6 +139,7 @@ def _builtin() -> dict[str, type[Gate]]:
         ApiConformanceGate,
         CommandGate,
         SignOffGate,
+        PromotionGate,
     )
     return {g.name: g for g in builtin}
 

@@ -345,7 +345,8 @@ def rollback_cmd(
     from kdctl.traffic import rollback
 
     inv = _load(inventory, state_dir)
-    backend, state = rollback(inv, confirm=_confirmer(yes))
+    with _store_for(inv) as store:
+        backend, state = rollback(inv, store, confirm=_confirmer(yes))
     if json_:
         _print_json({"serving": backend, "router": state.model_dump(mode="json")})
     else:

@@ -36,6 +36,9 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path, need_nginx: str) -> None
     assert "strict:" in out
     assert re.search(r"cutover \w+: succeeded; router now sends \{'candidate': 100\}", out)
     assert "Serving now: candidate at weight 100" in out
+    # The promotion the cutover recorded ends the last phase; the rollback's reopens it.
+    assert "2. Phases remaining: none" in out
+    assert re.search(r"promotion:candidate .* fail .* rolled back to", out)
     assert "rolled back: the router sends {'baseline': 100}" in out
     probe = re.search(r"probe load: (\d+) requests, (\d+) failed", out)
     assert probe and int(probe.group(1)) > 0 and probe.group(2) == "0", out[-2000:]

@@ -157,6 +157,17 @@ def weights(include: Path) -> dict[str, int]:
     return parse_config(include.read_text(), source=str(include)).weights
 
 
+def promotion(inv: str) -> dict[str, Any]:
+    """The newest promotion result: what the last cutover or rollback left the router doing."""
+    listed = kdctl("evidence", "list", "--gate", "promotion", "--json", "-i", inv)
+    newest = json.loads(listed.out)["results"][0]
+    return {
+        "verdict": newest["verdict"],
+        "reason": newest["reasons"][0],
+        **{m["name"]: m["value"] for m in newest["metrics"]},
+    }
+
+
 def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, Any]) -> None:
     inv = str(front["inv"])
     refused = kdctl("cutover", "--to", "candidate", "--yes", "-i", inv)
@@ -179,10 +190,16 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
         bg = kdctl("cutover", "--to", "candidate", "--strategy", "blue-green", "--yes", "-i", inv)
         assert bg.code == 0, bg.out + bg.err
         assert "succeeded" in bg.out and weights(front["include"]) == {"candidate": 100}
+        promoted = promotion(inv)
+        assert (promoted["verdict"], promoted["weight"]) == ("pass", 100)
+        assert "(blue-green from baseline): all traffic moved to candidate" in promoted["reason"]
         time.sleep(1)
         back = kdctl("rollback", "--yes", "-i", inv)
         assert back.code == 0, back.out + back.err
         assert weights(front["include"]) == {"baseline": 100}
+        demoted = promotion(inv)
+        assert (demoted["verdict"], demoted["weight"]) == ("fail", 0)
+        assert demoted["reason"].endswith("rolled back to baseline (kdctl rollback)")
         time.sleep(1)
         canary = kdctl(
             "cutover",
@@ -202,6 +219,9 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
     outcome = json.loads(canary.out)
     assert outcome["state"] == "succeeded" and outcome["router"]["weights"] == {"candidate": 100}
     assert [w["failed"] for w in outcome["watches"]] == [0, 0]
+    promoted = promotion(inv)
+    assert promoted["verdict"] == "pass" and promoted["probe_failed"] == 0
+    assert promoted["probe_requests"] == sum(w["sent"] for w in outcome["watches"]) > 0
     # The candidate's own counters saw the canary's share of the traffic.
     assert all(w["engine_requests"] > 0 for w in outcome["watches"]), outcome["watches"]
     assert all(w["engine_ttft_p99_ms"] > 0 for w in outcome["watches"])
@@ -301,6 +321,9 @@ def test_candidate_killed_mid_canary_rolls_back(
     outcome = json.loads(run.out)
     assert outcome["state"] == "rolled_back"
     assert "SLO breach during the canary" in outcome["reason"]
+    demoted = promotion(inv)
+    assert (demoted["verdict"], demoted["weight"]) == ("fail", 0)
+    assert "rolled back to baseline: SLO breach during the canary" in demoted["reason"]
     assert outcome["router"]["weights"] == {"baseline": 100}
     assert outcome["watches"] and "failed" in outcome["watches"][-1]
     assert weights(front["include"]) == {"baseline": 100}
@@ -504,6 +527,7 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
             "candidate": 100
         }
         assert 0 < outcome["downtime_s"] < 300
+        assert promotion(inv)["downtime_s"] == outcome["downtime_s"]
         assert not (tmp_path / "baseline.pid").exists()
         with Journal(tmp_path / "state") as journal:
             steps = [(s.kind, s.phase) for s in journal.get(outcome["id"]).steps]  # type: ignore[union-attr]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal
 
 import httpx
@@ -23,6 +24,8 @@ from pydantic import BaseModel
 
 from kdctl.backends import GenerateRequest, HttpBackend, make_backend
 from kdctl.backends.health import probe_health
+from kdctl.checks.promotion import promotion_result
+from kdctl.checks.result import GateResult, Verdict, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.gating import run_gates
@@ -160,7 +163,12 @@ class Runner:
     downtime_s: float | None = None
 
     def run(self, cid: str, plan: Plan, *, skip: set[int] | None = None) -> CutoverOutcome:
-        skip = skip or set()
+        started = utcnow()
+        outcome = self._run(cid, plan, skip or set())
+        self.store.record(record_promotion(self.inv, outcome, started))
+        return outcome
+
+    def _run(self, cid: str, plan: Plan, skip: set[int]) -> CutoverOutcome:
         try:
             for idx, step in enumerate(plan.steps):
                 if idx in skip:
@@ -323,6 +331,37 @@ class Runner:
             self.downtime_s = round(time.monotonic() - self.drained_at, 3)
         self.journal.finish(cid, "rolled_back", reason)
         return "rolled_back"
+
+
+_PROMOTION_VERDICT: dict[str, Verdict] = {
+    "succeeded": "pass",
+    "rolled_back": "fail",
+    "failed": "error",
+}
+
+
+def record_promotion(
+    inv: LoadedInventory, outcome: CutoverOutcome, started: datetime
+) -> GateResult:
+    """The evidence a finished cutover leaves about its target: promoted, or rolled back."""
+    plan = outcome.plan
+    verdict = _PROMOTION_VERDICT[outcome.state]
+    said = {
+        "succeeded": f"all traffic moved to {plan.to_backend}",
+        "rolled_back": f"rolled back to {plan.from_backend}: {outcome.reason}",
+        "failed": f"failed, and so did its rollback: {outcome.reason}",
+    }[outcome.state]
+    return promotion_result(
+        inv,
+        plan.to_backend,
+        verdict=verdict,
+        reason=f"cutover {outcome.id} ({plan.strategy} from {plan.from_backend}): {said}",
+        weights=outcome.router.weights if outcome.router else None,
+        started_at=started,
+        details={"cutover": outcome.id, "from": plan.from_backend, "strategy": plan.strategy},
+        watches=outcome.watches,
+        downtime_s=outcome.downtime_s,
+    )
 
 
 _REQUESTS = "sglang:num_requests_total"

@@ -4,7 +4,10 @@ the lock, the journal, the plan, and the read-back of the router after every cha
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
+from kdctl.checks.promotion import promotion_result
+from kdctl.checks.result import GateResult, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
@@ -144,9 +147,13 @@ def _journaled_plan(record: CutoverRecord, reason: str) -> Plan:
     )
 
 
-def rollback(inv: LoadedInventory, *, confirm: Confirm) -> tuple[str, RouterState]:
+def rollback(
+    inv: LoadedInventory, store: EvidenceStore, *, confirm: Confirm
+) -> tuple[str, RouterState]:
     """Back to the backend that served before the last cutover: no gates, one router write,
-    confirmed by read-back; for a swap, the old engine restarted first."""
+    confirmed by read-back; for a swap, the old engine restarted first. The cutover's target
+    gets a failed promotion, so no phase still counts it as serving."""
+    started = utcnow()
     with TransportPool(inv) as pool, Journal(inv.state_dir) as journal:
         router = make_router(inv, pool)
         with journal.locked():
@@ -159,6 +166,7 @@ def rollback(inv: LoadedInventory, *, confirm: Confirm) -> tuple[str, RouterStat
                 # Nothing to write, but an interrupted cutover still ends here, in the journal.
                 if record.state == "running":
                     journal.finish(record.id, "rolled_back", "kdctl rollback: router unchanged")
+                    store.record(_rolled_back(inv, record, live, started, "router unchanged"))
                 return record.from_backend, live
             if not confirm(
                 f"Roll back to {record.from_backend} (the router now sends {live.weights})?"
@@ -166,4 +174,19 @@ def rollback(inv: LoadedInventory, *, confirm: Confirm) -> tuple[str, RouterStat
                 raise Refused("rollback not confirmed; nothing changed")
             state = restore(inv, router, pool, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl rollback")
+            store.record(_rolled_back(inv, record, state, started, "kdctl rollback"))
             return record.from_backend, state
+
+
+def _rolled_back(
+    inv: LoadedInventory, record: CutoverRecord, state: RouterState, started: datetime, how: str
+) -> GateResult:
+    return promotion_result(
+        inv,
+        record.to_backend,
+        verdict="fail",
+        reason=f"cutover {record.id} rolled back to {record.from_backend} ({how})",
+        weights=state.weights,
+        started_at=started,
+        details={"cutover": record.id, "from": record.from_backend, "strategy": record.strategy},
+    )

@@ -1,0 +1,76 @@
+"""promotion: the router sends all traffic to a backend after a cutover that held its SLOs.
+
+No one runs it: `kdctl cutover` records it when traffic has moved (pass), and a rollback, of the
+cutover itself or by `kdctl rollback`, records that it moved back (fail). The newest result
+therefore says what the router does, and a roadmap phase can end on it instead of on a person's
+word alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any, ClassVar
+
+from kdctl.checks._gate import Gate, GateContext, provenance_for
+from kdctl.checks.result import GateResult, Metric, Verdict, utcnow
+from kdctl.errors import InputError
+from kdctl.inventory import LoadedInventory
+
+
+class PromotionGate(Gate):
+    name = "promotion"
+    description = "all traffic on the backend after a cutover (recorded by kdctl cutover)"
+    runnable: ClassVar[bool] = False
+    # It stays true until a rollback says otherwise; a month bounds how long it is taken on trust.
+    freshness_window = timedelta(days=30)
+
+    def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
+        raise InputError(
+            "a promotion is recorded by the cutover that makes it: kdctl cutover --to BACKEND"
+        )
+
+
+def promotion_result(
+    inv: LoadedInventory,
+    backend: str,
+    *,
+    verdict: Verdict,
+    reason: str,
+    weights: dict[str, int] | None,
+    started_at: datetime,
+    details: dict[str, Any],
+    watches: Sequence[Mapping[str, Any]] = (),
+    downtime_s: float | None = None,
+) -> GateResult:
+    """What a cutover or a rollback left the router doing, as evidence about `backend`."""
+    metrics = [
+        Metric(
+            name="weight",
+            value=None if weights is None else weights.get(backend, 0),
+            unit="%",
+            threshold=100,
+            comparison=">=",
+        ),
+        Metric(name="probe_requests", value=sum(w.get("sent", 0) for w in watches)),
+        Metric(
+            name="probe_failed",
+            value=sum(w.get("failed", 0) for w in watches),
+            threshold=0,
+            comparison="==",
+        ),
+    ]
+    if downtime_s is not None:
+        metrics.append(Metric(name="downtime_s", value=downtime_s, unit="s"))
+    return GateResult(
+        gate=PromotionGate.name,
+        backend=backend,
+        baseline=details.get("from"),
+        verdict=verdict,
+        metrics=metrics,
+        reasons=[reason],
+        provenance=provenance_for(inv, backend, None, None),
+        details=details,
+        started_at=started_at,
+        ended_at=utcnow(),
+    )

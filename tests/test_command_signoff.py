@@ -147,6 +147,8 @@ def test_sign_off_is_recorded_and_not_run(tmp_path: Path) -> None:
     assert refused.code == 2 and "--by" in refused.err
     run_it = kdctl("gate", "run", "sign-off", "-b", "native", "-i", str(inv))
     assert run_it.code == 2 and "given by a person" in run_it.err
+    run_it = kdctl("gate", "run", "promotion", "-b", "native", "-i", str(inv))
+    assert run_it.code == 2 and "recorded by the cutover that makes it" in run_it.err
 
 
 def test_read_metrics_takes_the_last_json_object() -> None:

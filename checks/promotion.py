@@ -37,9 +37,11 @@ def promotion_result(
     *,
     verdict: Verdict,
     reason: str,
+    cutover: str,
+    from_backend: str,
+    strategy: str,
     weights: dict[str, int] | None,
     started_at: datetime,
-    details: dict[str, Any],
     watches: Sequence[Mapping[str, Any]] = (),
     downtime_s: float | None = None,
 ) -> GateResult:
@@ -65,12 +67,12 @@ def promotion_result(
     return GateResult(
         gate=PromotionGate.name,
         backend=backend,
-        baseline=details.get("from"),
+        baseline=from_backend,
         verdict=verdict,
         metrics=metrics,
         reasons=[reason],
         provenance=provenance_for(inv, backend, None, None),
-        details=details,
+        details={"cutover": cutover, "from": from_backend, "strategy": strategy},
         started_at=started_at,
         ended_at=utcnow(),
     )

@@ -26,11 +26,10 @@ def serve_argv(
     *,
     served_name: str | None = None,
     api_key_env: str | None = None,
-    python: str = sys.executable,
 ) -> list[str]:
     """The command line of `kdctl reference serve`: what a service, a test or a benchmark runs
     to put the reference model behind SGLang's API on loopback."""
-    argv = [python, "-m", "kdctl", "reference", "serve", "--model", str(model)]
+    argv = [sys.executable, "-m", "kdctl", "reference", "serve", "--model", str(model)]
     argv += ["--port", str(port)]
     if served_name:
         argv += ["--served-model-name", served_name]

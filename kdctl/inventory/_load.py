@@ -125,19 +125,17 @@ def resolve_service_env(
     service: CommandService,
     *,
     source: str | None = None,
-    environ: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The engine's environment with every `from_env` filled in; an unset variable is an
     InputError. Read when the engine starts, not when the inventory loads: `kdctl status` on a
     laptop needs no hub token."""
-    environ = os.environ if environ is None else environ
     values: dict[str, str] = {}
     missing: list[str] = []
     for name, value in service.env.items():
         if isinstance(value, str):
             values[name] = value
-        elif value.from_env in environ:
-            values[name] = environ[value.from_env]
+        elif value.from_env in os.environ:
+            values[name] = os.environ[value.from_env]
         else:
             where = f"{source}: " if source else ""
             missing.append(

@@ -173,6 +173,11 @@ def _env_values(env: dict[str, str | FromEnv]) -> dict[str, str | FromEnv]:
     return env
 
 
+def split_command(command: str | list[str]) -> list[str]:
+    """A command as its arguments: a string is split as a shell would, a list taken as it is."""
+    return shlex.split(command) if isinstance(command, str) else list(command)
+
+
 class _Command(_Model):
     """A program to run: one shell-like string, split as a shell would, or a list of args."""
 
@@ -180,7 +185,7 @@ class _Command(_Model):
 
     @property
     def argv(self) -> list[str]:
-        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
+        return split_command(self.command)
 
     @model_validator(mode="after")
     def _splits(self) -> _Command:
@@ -248,9 +253,7 @@ class BackendSpec(_Model):
 
     @property
     def command_argv(self) -> list[str]:
-        if self.command is None:
-            return []
-        return shlex.split(self.command) if isinstance(self.command, str) else list(self.command)
+        return [] if self.command is None else split_command(self.command)
 
 
 class RouterSpec(_Model):

@@ -333,32 +333,27 @@ class Runner:
         return "rolled_back"
 
 
-_PROMOTION_VERDICT: dict[str, Verdict] = {
-    "succeeded": "pass",
-    "rolled_back": "fail",
-    "failed": "error",
-}
-
-
 def record_promotion(
     inv: LoadedInventory, outcome: CutoverOutcome, started: datetime
 ) -> GateResult:
     """The evidence a finished cutover leaves about its target: promoted, or rolled back."""
     plan = outcome.plan
-    verdict = _PROMOTION_VERDICT[outcome.state]
-    said = {
-        "succeeded": f"all traffic moved to {plan.to_backend}",
-        "rolled_back": f"rolled back to {plan.from_backend}: {outcome.reason}",
-        "failed": f"failed, and so did its rollback: {outcome.reason}",
-    }[outcome.state]
+    ends: dict[str, tuple[Verdict, str]] = {
+        "succeeded": ("pass", f"all traffic moved to {plan.to_backend}"),
+        "rolled_back": ("fail", f"rolled back to {plan.from_backend}: {outcome.reason}"),
+        "failed": ("error", f"failed, and so did its rollback: {outcome.reason}"),
+    }
+    verdict, said = ends[outcome.state]
     return promotion_result(
         inv,
         plan.to_backend,
         verdict=verdict,
         reason=f"cutover {outcome.id} ({plan.strategy} from {plan.from_backend}): {said}",
+        cutover=outcome.id,
+        from_backend=plan.from_backend,
+        strategy=plan.strategy,
         weights=outcome.router.weights if outcome.router else None,
         started_at=started,
-        details={"cutover": outcome.id, "from": plan.from_backend, "strategy": plan.strategy},
         watches=outcome.watches,
         downtime_s=outcome.downtime_s,
     )

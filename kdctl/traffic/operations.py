@@ -186,7 +186,9 @@ def _rolled_back(
         record.to_backend,
         verdict="fail",
         reason=f"cutover {record.id} rolled back to {record.from_backend} ({how})",
+        cutover=record.id,
+        from_backend=record.from_backend,
+        strategy=record.strategy,
         weights=state.weights,
         started_at=started,
-        details={"cutover": record.id, "from": record.from_backend, "strategy": record.strategy},
     )

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import paramiko
@@ -27,14 +27,23 @@ KEEPALIVE_S = 15
 _REMOTE_GRACE_S = 2.0
 
 
-def is_revoked(known_hosts: Path, key: paramiko.PKey) -> bool:
-    """paramiko skips `@revoked` lines of known_hosts; OpenSSH refuses those keys, and so do we."""
+def _marked(known_hosts: Path, marker: str) -> Iterator[tuple[int, list[str]]]:
+    """(line number, fields) of the known_hosts lines that begin with `marker`: OpenSSH syntax
+    that paramiko's own parser skips."""
     try:
         lines = known_hosts.read_text().splitlines()
     except OSError:
-        return False
+        return
+    for no, line in enumerate(lines, 1):
+        fields = line.split()
+        if fields and fields[0] == marker:
+            yield no, fields
+
+
+def is_revoked(known_hosts: Path, key: paramiko.PKey) -> bool:
+    """paramiko skips `@revoked` lines of known_hosts; OpenSSH refuses those keys, and so do we."""
     blob = key.get_base64()
-    return any(line.startswith("@revoked") and blob in line.split() for line in lines)
+    return any(blob in fields for _, fields in _marked(known_hosts, "@revoked"))
 
 
 def _glob(pattern: str, hostname: str) -> bool:
@@ -60,13 +69,8 @@ def _matches(patterns: str, hostname: str) -> bool:
 
 def cert_authority_line(known_hosts: Path, hostname: str) -> int | None:
     """The line of a `@cert-authority` entry that covers `hostname`, if any."""
-    try:
-        lines = known_hosts.read_text().splitlines()
-    except OSError:
-        return None
-    for no, line in enumerate(lines, 1):
-        fields = line.split()
-        if len(fields) >= 2 and fields[0] == "@cert-authority" and _matches(fields[1], hostname):
+    for no, fields in _marked(known_hosts, "@cert-authority"):
+        if len(fields) >= 2 and _matches(fields[1], hostname):
             return no
     return None
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -30,13 +32,29 @@ class Metric(BaseModel):
     comparison: Comparison | None = None
 
     @property
+    def judged(self) -> bool:
+        """Whether a threshold decides on this metric."""
+        return self.threshold is not None and self.comparison is not None
+
+    @property
+    def measured(self) -> bool:
+        """Only a finite number is a measurement: None, text, a bool, NaN or an infinity (a
+        benchmark dividing by a zero time) give a threshold nothing to judge."""
+        v = self.value
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    @property
+    def unmeasured(self) -> bool:
+        """A threshold whose value was never measured: it holds no more than it breaks."""
+        return self.judged and not self.measured
+
+    @property
     def passed(self) -> bool | None:
-        if (
-            self.threshold is None
-            or self.comparison is None
-            or not isinstance(self.value, int | float)
-        ):
+        """True or False only for a measured value against its threshold; None otherwise."""
+        if not self.judged or not self.measured:
             return None
+        assert isinstance(self.value, int | float) and self.threshold is not None
+        assert self.comparison is not None
         v, t = float(self.value), float(self.threshold)
         return {
             ">=": v >= t,
@@ -45,6 +63,25 @@ class Metric(BaseModel):
             "<": v < t,
             "==": v == t,
         }[self.comparison]
+
+
+def decide(metrics: Sequence[Metric], findings: Sequence[str] = ()) -> Verdict:
+    """The verdict every gate's measurements come to.
+
+    A finding or a broken threshold fails. A threshold whose value was not measured cannot pass,
+    and neither can a run in which no threshold was judged at all: both are inconclusive, since
+    what was not measured may be broken. Only then does the gate pass.
+    """
+    if findings or any(m.passed is False for m in metrics):
+        return "fail"
+    if any(m.unmeasured for m in metrics) or not any(m.passed for m in metrics):
+        return "inconclusive"
+    return "pass"
+
+
+def not_measured(m: Metric) -> str:
+    """Why a threshold went unjudged, in the words every gate uses."""
+    return f"{m.name} was not measured: '{m.comparison} {m.threshold:g}' could not be judged"
 
 
 class Provenance(BaseModel):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import GateResult, Metric, Verdict, utcnow
+from kdctl.checks.result import GateResult, Metric, Verdict, decide, not_measured, utcnow
 from kdctl.errors import CommandTimeout, KdctlError, TransportError
 from kdctl.inventory.models import TpHealthSettings
 from kdctl.probes.gpus import GpuInfo, GpuProbe, GpuProcess, probe_gpus
@@ -188,6 +188,60 @@ def probe_failure(stderr: str) -> str:
     return ": ".join(parts)
 
 
+def allreduce_metrics(
+    report: dict[str, Any], settings: TpHealthSettings, world: int
+) -> list[Metric]:
+    """The probe's figures as metrics. Over one rank nothing crosses a link: the sums come back
+    unchanged whatever the box, there is no bus bandwidth (0 by definition is no measurement),
+    and the small all-reduce times torch's launch of a no-op (35 us on an idle H200, 57 us
+    beside a busy engine), so no threshold judges them."""
+    small, large = report["points"][0], report["points"][-1]
+    wrong = sum(p["wrong"] for p in report["points"])
+    across = world > 1
+    return [
+        Metric(
+            name="allreduce_wrong_elements",
+            value=wrong,
+            threshold=0 if across else None,
+            comparison="==" if across else None,
+        ),
+        Metric(
+            name="busbw_gbps",
+            value=large["busbw_gbps"] if across else None,
+            unit="GB/s",
+            threshold=settings.min_busbw_gbps if across else None,
+            comparison=">=" if across else None,
+        ),
+        Metric(
+            name="small_latency_us",
+            value=small["time_us"],
+            unit="us",
+            threshold=settings.max_small_latency_us if across else None,
+            comparison="<=" if across else None,
+        ),
+    ]
+
+
+def allreduce_reasons(report: dict[str, Any], world: int) -> list[str]:
+    small, large = report["points"][0], report["points"][-1]
+    wrong = sum(p["wrong"] for p in report["points"])
+    setup = (f"; NCCL {report['nccl']}" if report.get("nccl") else "") + (
+        f"; {', '.join(f'{k}={v}' for k, v in report['env'].items())}" if report["env"] else ""
+    )
+    if world > 1:
+        return [
+            f"all-reduce on {report['backend']} across {report['world']} ranks: "
+            f"busbw {large['busbw_gbps']:.2f} GB/s at {large['bytes'] >> 20} MiB, "
+            f"{small['time_us']:.1f} us at {small['bytes'] >> 10} KiB, {wrong} wrong" + setup
+        ]
+    return [
+        f"all-reduce on {report['backend']} on one rank: it runs, "
+        f"{small['time_us']:.1f} us at {small['bytes'] >> 10} KiB" + setup,
+        "one rank: no link is crossed, so bus bandwidth was not measured, and neither the sums "
+        "nor the small-message latency is judged",
+    ]
+
+
 class _ProbeFailed(Exception):
     def __init__(self, message: str, command: str) -> None:
         super().__init__(message)
@@ -229,8 +283,14 @@ class TpHealthGate(Gate):
                 details["xid_lines"] = [e.line for e in xids.events]
                 failures += [f"new Xid: {line}" for line in fresh]
                 reasons += unreadable
+                # A log that could not be read shows no Xid, and that is not the same as none.
                 metrics.append(
-                    Metric(name="new_xids", value=len(fresh), threshold=0, comparison="==")
+                    Metric(
+                        name="new_xids",
+                        value=len(fresh) if xids.readable else None,
+                        threshold=0,
+                        comparison="==",
+                    )
                 )
                 metrics.append(Metric(name="gpus_visible", value=len(probe.gpus)))
                 comm = "nccl"
@@ -238,6 +298,14 @@ class TpHealthGate(Gate):
                 failures.append(
                     f"{spec.host} should have GPUs {tp_gpus} but shows none: "
                     f"{probe.error or probe.note}"
+                )
+                comm = ""
+            elif world == 1:
+                # gloo on one CPU process would time a no-op: no probe, and nothing to judge.
+                reasons.append(
+                    f"{spec.host} shows no GPUs and {backend} runs one rank: no GPU rules apply, "
+                    "and an all-reduce over one rank crosses no link, so there is no bus "
+                    "bandwidth or latency to measure"
                 )
                 comm = ""
             else:
@@ -249,45 +317,8 @@ class TpHealthGate(Gate):
                     transport, settings, world, comm, tp_gpus if comm == "nccl" else []
                 )
                 details["allreduce"] = report
-                small, large = report["points"][0], report["points"][-1]
-                wrong = sum(p["wrong"] for p in report["points"])
-                metrics += [
-                    Metric(
-                        name="allreduce_wrong_elements", value=wrong, threshold=0, comparison="=="
-                    ),
-                    Metric(
-                        name="busbw_gbps",
-                        value=large["busbw_gbps"],
-                        unit="GB/s",
-                        threshold=settings.min_busbw_gbps if world > 1 else None,
-                        comparison=">=" if world > 1 else None,
-                    ),
-                    Metric(
-                        name="small_latency_us",
-                        value=small["time_us"],
-                        unit="us",
-                        threshold=settings.max_small_latency_us if world > 1 else None,
-                        comparison="<=" if world > 1 else None,
-                    ),
-                ]
-                reasons.append(
-                    f"all-reduce on {report['backend']} across {report['world']} ranks: "
-                    f"busbw {large['busbw_gbps']:.2f} GB/s at {large['bytes'] >> 20} MiB, "
-                    f"{small['time_us']:.1f} us at {small['bytes'] >> 10} KiB, {wrong} wrong"
-                    + (f"; NCCL {report['nccl']}" if report.get("nccl") else "")
-                    + (
-                        f"; {', '.join(f'{k}={v}' for k, v in report['env'].items())}"
-                        if report["env"]
-                        else ""
-                    )
-                )
-                if world == 1:
-                    # Nothing crosses a link: the small all-reduce times torch's launch of a
-                    # no-op (35 us on an idle H200, 57 us beside a busy engine), not the box.
-                    reasons.append(
-                        "one rank: no link is crossed, so neither bus bandwidth (0 by definition) "
-                        "nor the small-message latency is judged"
-                    )
+                metrics += allreduce_metrics(report, settings, world)
+                reasons += allreduce_reasons(report, world)
         except CommandTimeout:
             failures.append(
                 f"the all-reduce did not finish within {settings.timeout_s:g}s: a rank hangs "
@@ -298,10 +329,13 @@ class TpHealthGate(Gate):
             details["command"] = exc.command
         except KdctlError as exc:
             return self._result(ctx, backend, "error", metrics, [str(exc)], details, started)
-        verdict: Verdict = "fail" if failures or any(m.passed is False for m in metrics) else "pass"
         for m in metrics:
             if m.passed is False and not any(m.name in f for f in failures):
                 failures.append(f"{m.name} {m.value} not {m.comparison} {m.threshold}")
+        if not failures and not any(m.judged for m in metrics):
+            return self._result(ctx, backend, "skipped", metrics, reasons, details, started)
+        verdict = decide(metrics, failures)
+        reasons += [not_measured(m) for m in metrics if m.unmeasured]
         return self._result(ctx, backend, verdict, metrics, failures + reasons, details, started)
 
     def _result(

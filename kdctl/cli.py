@@ -66,10 +66,16 @@ StateDirOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
 
 
-def _load(inventory: Path | None, state_dir: Path | None) -> Any:
+def _load(inventory: Path | None, state_dir: Path | None, *, engines: bool = True) -> Any:
+    """The inventory; with `engines`, one whose engines kdctl can talk to now, so an unset
+    API-key variable is refused (exit 2) before any request goes out without its key."""
+    from kdctl.errors import InputError
     from kdctl.inventory import load_inventory, resolve_inventory_path
 
-    return load_inventory(resolve_inventory_path(inventory), state_dir=state_dir)
+    inv = load_inventory(resolve_inventory_path(inventory), state_dir=state_dir)
+    if engines and inv.unset_keys:
+        raise InputError("\n".join(inv.unset_keys.values()))
+    return inv
 
 
 def _print_json(doc: BaseModel | dict[str, Any]) -> None:
@@ -113,7 +119,7 @@ def status(
             inv,
             store,
             timeout_s=min(timeout, 15.0),
-            traffic=report.traffic,
+            serving=report.serving,
             identities=report.identities,
         ).answers
         report.gates = latest_verdicts(inv, store)
@@ -157,11 +163,11 @@ def phases(
     ] = None,
 ) -> None:
     """The roadmap's phases from evidence: done, in progress, blocked, remaining, and every
-    unmet criterion with its threshold, last value and age. Exit 0 when the target phase is
-    reachable now, 1 when not."""
+    unmet criterion with its threshold, last value and age, under the three answers. Exit 0
+    when traffic may move to the candidate now, 1 when not."""
     from kdctl.errors import InputError
     from kdctl.readiness import assess, run_criteria
-    from kdctl.render import phases_table, progress_bars
+    from kdctl.render import answers_text, phases_table, progress_bars
 
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:
@@ -186,8 +192,9 @@ def phases(
         doc["answers"] = found.answers.model_dump(mode="json")
         _print_json(doc)
     else:
+        out.print(answers_text(found.answers))
         out.print(phases_table(found.phases))
-    if not found.phases.target_reachable:
+    if found.answers.cutover.can_cut_over is not True:
         raise typer.Exit(1)
 
 
@@ -216,7 +223,8 @@ def report(
     with _store_for(inv) as store:
         found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate)
         written = render_reports(found, store, chosen, output, inventory=str(inv.path))
-    reachable = found.phases is not None and found.phases.target_reachable
+    # The exit code is answer 3 itself: a CI job gated on it agrees with the text.
+    reachable = found.answers.cutover.can_cut_over is True
     if json_:
         _print_json(
             {
@@ -360,12 +368,15 @@ def inventory_check(
     """Validate the inventory (exit 2 naming file, line and field) and summarise it."""
     from kdctl.render import inventory_summary
 
-    inv = _load(inventory, state_dir)
+    inv = _load(inventory, state_dir, engines=False)
+    for warning in inv.warnings:
+        err_print(f"warning: {warning}")
     if json_:
         _print_json(
             {
                 "inventory": str(inv.path),
                 "valid": True,
+                "warnings": inv.warnings,
                 "state_dir": str(inv.state_dir),
                 "spec": inv.spec.model_dump(mode="json"),
             }
@@ -500,7 +511,7 @@ def _store_for(inv: Any) -> Any:
 
 
 def _store(inventory: Path | None, state_dir: Path | None) -> Any:
-    return _store_for(_load(inventory, state_dir))
+    return _store_for(_load(inventory, state_dir, engines=False))
 
 
 @evidence_app.command("list")

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kdctl.backends import Backend, make_backend
+from kdctl.backends import Backend, HttpBackend, make_backend
 from kdctl.checks._gate import (
     GateContext,
     ProgressHook,
@@ -166,6 +166,16 @@ def identify_backends(
                     transport=pool.get(spec.host),
                     timeout=timeout_s,
                 ) as be:
+                    # An engine that describes itself but is not ready (503: wedged, loading,
+                    # draining) serves nobody: its word is not taken as "answering".
+                    health = be.health() if isinstance(be, HttpBackend) else None
+                    if health is not None and health.state != "up":
+                        return Identity(
+                            provenance_for(inv, name, None, None),
+                            live=False,
+                            note=f"{name} is not ready ({health.detail or health.state}); "
+                            "held to the inventory",
+                        )
                     info = be.info()
             except KdctlError as exc:
                 return Identity(

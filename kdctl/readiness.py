@@ -1,56 +1,69 @@
 """The three answers a lead asks for, derived from live probes and evidence only:
 
-1. which backend takes traffic now, at what weight, and whether it is speed-optimized (its
-   throughput gate passed on fresh evidence; "unmeasured" without any, never "yes");
+1. who answers through the router's front door now (serving, degraded, nothing or unknown),
+   and whether that engine is speed-optimized by the roadmap's own speed criterion, fresh
+   against what answers ("unmeasured" without such evidence, never "yes");
 2. which phases remain;
 3. whether traffic can move to the candidate now, or what blocks it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel
 
 from kdctl.checks._gate import (
     ProgressHook,
-    freshness_window,
     gate_class,
     gates,
     with_settings,
 )
 from kdctl.checks.result import GateResult, utcnow
 from kdctl.errors import InputError
-from kdctl.evidence import EvidenceStore, freshness
+from kdctl.evidence import EvidenceStore
 from kdctl.evidence.freshness import age_text
 from kdctl.gating import Identity, identify_backends, run_gates
 from kdctl.inventory import LoadedInventory
 from kdctl.roadmap import (
     PhaseReport,
+    Roadmap,
     evaluate,
+    evaluate_criterion,
     load_roadmap,
     roadmap_path,
 )
+from kdctl.serving import ServingProbe
 
-if TYPE_CHECKING:
-    from kdctl.status import TrafficStatus
-
-Speed = Literal["yes", "no", "unmeasured"]
+# "baseline": the engine the roadmap replaces, the yardstick every ratio is measured against.
+Speed = Literal["yes", "no", "unmeasured", "baseline"]
 
 
-class ServingAnswer(BaseModel):
-    backend: str | None
+class ServingAnswer(ServingProbe):
+    """Line 1: who answers through the front now (measured), and whether that engine is
+    speed-optimized by the roadmap's own speed criterion (fresh against what answers)."""
+
+    # The routed weight of the backend that answered, as the router's configuration says.
     weight: int | None = None
-    router: str | None = None
-    # Where the weights were read: the router's live state, or only the inventory's word.
-    source: str = "inventory"
-    speed_optimized: Speed
-    detail: str
+    # Null when nothing answered: there is no engine to judge.
+    speed_optimized: Speed | None = None
+    speed: str | None = None
+    speed_criterion: str | None = None
     evidence_id: str | None = None
+
+    def line(self) -> str:
+        speed = f"; speed: {self.speed}" if self.speed else ""
+        if self.state == "serving":
+            return f"Serving now: {self.detail}{speed}."
+        if self.state == "degraded":
+            return f"Serving now: degraded. {self.detail}{speed}."
+        if self.state == "nothing":
+            return f"Serving now: nothing. {self.detail}."
+        return f"Serving now: unknown ({self.detail})."
 
 
 class LatestVerdict(BaseModel):
@@ -100,14 +113,11 @@ class Answers(BaseModel):
     remaining_phases: list[str]
     cutover: CutoverAnswer
 
+    # The moment every part of these answers was measured or read.
+    assessed_at: datetime | None = None
+
     def lines(self) -> list[str]:
-        s = self.serving
-        if s.backend is None:
-            serving = f"Serving now: unknown ({s.detail})"
-        else:
-            weight = f" at weight {s.weight}" if s.weight is not None else ""
-            serving = f"Serving now: {s.backend}{weight}; speed-optimized: {s.speed_optimized}"
-            serving += f" ({s.detail})"
+        serving = self.serving.line()
         if self.cutover.target is None:
             remaining = "Phases remaining: unknown (no roadmap selected: the inventory's roadmap:)"
         elif self.remaining_phases:
@@ -143,24 +153,24 @@ def assess(
     candidate: str | None = None,
     timeout_s: float = 15.0,
     now: datetime | None = None,
-    traffic: TrafficStatus | None = None,
+    serving: ServingProbe | None = None,
     identities: dict[str, Identity] | None = None,
 ) -> Readiness:
-    """Evaluate the roadmap and the serving backend against what the engines report now.
+    """The three answers from one moment: who answers through the front now, the roadmap
+    evaluated against what the engines report now, and whether traffic may move.
 
-    `traffic` and `identities` are the router's state and what engines said they are, where
-    the caller has just asked (`kdctl status` does), so that nothing is asked twice.
+    `serving` and `identities` are what the caller has just measured (`kdctl status` probes
+    every engine anyway), so that nothing is asked twice.
     """
-    from kdctl.status import live_traffic  # status shows these answers, so it imports us
+    from kdctl.serving import probe_serving  # the cutover's preflight reads these answers
 
     now = now or utcnow()
     path = roadmap_path(inv, roadmap)
     loaded = load_roadmap(path, inv) if path is not None else None
-    traffic = traffic or live_traffic(inv)
-    serving = traffic.serving
     if candidate is not None and candidate not in inv.backends:
         known = ", ".join(sorted(inv.backends))
         raise InputError(f"unknown backend {candidate!r} (known: {known})")
+    probe = serving or probe_serving(inv, timeout_s=min(timeout_s, 5.0))
     identities = dict(identities or {})
 
     def identify(names: set[str]) -> dict[str, Identity]:
@@ -170,8 +180,6 @@ def assess(
             identities.update(identify_backends(inv, missing, timeout_s=timeout_s))
         return {n: identities[n] for n in names}
 
-    if serving and store.latest("throughput", serving) is not None:
-        identify({serving})
     report = (
         evaluate(loaded, inv, store, identify, target=target, candidate=candidate, now=now)
         if loaded
@@ -183,8 +191,10 @@ def assess(
         cand = identify({report.candidate})[report.candidate]
         if not cand.live:
             blocking.append(f"{report.candidate} is not answering: {cand.note}")
+            # phases --json and every report carry the same verdict as answer 3.
+            report = report.model_copy(update={"target_reachable": False})
     answers = Answers(
-        serving=_serving(inv, store, traffic, identities, now),
+        serving=_serving(inv, store, loaded, probe, identify, now),
         remaining_phases=[f"{p.id} ({p.status})" for p in report.remaining] if report else [],
         cutover=CutoverAnswer(
             candidate=report.candidate if report else candidate,
@@ -192,6 +202,7 @@ def assess(
             can_cut_over=not blocking if report else None,
             blocking=blocking,
         ),
+        assessed_at=now,
     )
     return Readiness(answers=answers, phases=report, identities=identities)
 
@@ -199,70 +210,57 @@ def assess(
 def _serving(
     inv: LoadedInventory,
     store: EvidenceStore,
-    traffic: TrafficStatus,
-    identities: dict[str, Identity],
+    roadmap: Roadmap | None,
+    probe: ServingProbe,
+    identify: Callable[[set[str]], Mapping[str, Identity]],
     now: datetime,
 ) -> ServingAnswer:
-    serving = traffic.serving
-    if traffic.router is None:
-        return ServingAnswer(
-            backend=None, speed_optimized="unmeasured", detail="no router in the inventory"
-        )
-    if serving is None:
-        return ServingAnswer(
-            backend=None,
-            router=traffic.router,
-            source=traffic.source,
-            speed_optimized="unmeasured",
-            detail=f"the {traffic.router} router sends traffic to no backend",
-        )
-    latest: GateResult | None = store.latest("throughput", serving)
-    base = {
-        "backend": serving,
-        "weight": traffic.weights.get(serving),
-        "router": traffic.router,
-        "source": traffic.source,
-    }
-    if latest is None:
-        return ServingAnswer(
-            **base, speed_optimized="unmeasured", detail="no throughput result on record"
-        )
-    ident = identities.get(serving)
-    if ident is None:
-        return ServingAnswer(**base, speed_optimized="unmeasured", detail="identity unknown")
-    f = freshness(
-        latest,
-        window=freshness_window(inv, "throughput"),
-        current=ident.provenance,
-        now=now,
-        live=ident.live,
+    answer = ServingAnswer(
+        **dict(probe),
+        weight=(
+            probe.routed.weights.get(probe.backend) if probe.routed and probe.backend else None
+        ),
     )
-    if not f.fresh:
-        return ServingAnswer(
-            **base,
-            speed_optimized="unmeasured",
-            detail=f"the last throughput result is {f.reason}",
-            evidence_id=latest.id,
-        )
-    ago = age_text(now - latest.ended_at)
-    against = f" against {latest.baseline}" if latest.baseline else ""
-    if latest.verdict == "pass":
-        ratios = [m for m in latest.metrics if m.name.endswith(".ratio")]
-        shown = ", ".join(f"{m.name} {m.value}" for m in ratios)
-        return ServingAnswer(
-            **base,
-            speed_optimized="yes",
-            detail=f"throughput passed{against} {ago} ago" + (f": {shown}" if shown else ""),
-            evidence_id=latest.id,
-        )
-    word: Speed = "unmeasured" if latest.verdict in ("inconclusive", "error", "skipped") else "no"
-    first = latest.reasons[0] if latest.reasons else ""
-    return ServingAnswer(
-        **base,
-        speed_optimized=word,
-        detail=f"throughput {latest.verdict}{against} {ago} ago: {first}",
-        evidence_id=latest.id,
-    )
+    if probe.state not in ("serving", "degraded"):
+        return answer
+    who = probe.backend
+    if who is None:
+        answer.speed_optimized = "unmeasured"
+        answer.speed = "unmeasured (which engine answered is not known)"
+        return answer
+    if roadmap is None:
+        answer.speed_optimized = "unmeasured"
+        answer.speed = "unmeasured (no roadmap: speed is judged by its speed criterion)"
+        return answer
+    if who == roadmap.spec.serving:
+        answer.speed_optimized = "baseline"
+        answer.speed = "the baseline"
+        return answer
+    criterion = roadmap.speed_criterion(who)
+    if criterion is None:
+        answer.speed_optimized = "unmeasured"
+        answer.speed = f"unmeasured (the roadmap has no speed criterion that judges {who})"
+        return answer
+    status = evaluate_criterion(criterion, inv, store, identify, now=now)
+    answer.speed_criterion = criterion.name
+    answer.evidence_id = status.evidence_id
+    ratios = [m for m in status.values if m.metric.endswith("ratio") and m.value is not None]
+    shown = min(ratios, key=lambda m: float(m.value or 0), default=None)
+    against = criterion.baseline or "the baseline"
+    measured = f"{float(shown.value or 0):.2f}x {against}" if shown else "measured"
+    ago = f"measured {age_text(timedelta(seconds=status.age_s))} ago" if status.age_s else ""
+    needs = f"needs {status.threshold}"
+    where = f"on {criterion.name}'s workload"
+    if status.state == "pass":
+        answer.speed_optimized = "yes"
+        answer.speed = f"{measured} {where} ({needs}; {ago})"
+    elif status.state == "fail":
+        answer.speed_optimized = "no"
+        answer.speed = f"{measured} {where} ({needs}; {ago}): {status.reason}"
+    else:
+        answer.speed_optimized = "unmeasured"
+        answer.speed = f"unmeasured by {criterion.name} ({needs}): {status.reason}"
+    return answer
 
 
 def run_criteria(

@@ -101,10 +101,16 @@ def status_tables(report: StatusReport) -> Group:
     t = report.traffic
     if t.router:
         split = ", ".join(f"{k} {v}%" for k, v in t.weights.items()) or "nothing"
-        where = t.detail or f"read back from {t.source}"
-        traffic = Text(
-            f"Traffic: {t.router} on {t.router_host} ({t.listen}) sends {split} ({where})"
-        )
+        where = t.detail or f"from {t.source}"
+        traffic = Text(f"Traffic: {t.router} on {t.router_host} ({t.listen}): configured to send ")
+        traffic.append(f"{split} ({where})")
+        if t.front is not None:
+            f = t.front
+            said = f"{f.detail}" + (f", from {f.backend}" if f.backend else "")
+            traffic.append(
+                f"; its front {said}",
+                "green" if f.answered else ("red" if f.answered is False else "yellow"),
+            )
         if t.draining:
             traffic.append("; DRAINING: new requests get 503", "yellow")
         if t.cutover_in_progress:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, PrivateAttr, SecretStr
 
-from kdctl.backends import EngineInfo, make_backend, probe_health
+from kdctl.backends import EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
 from kdctl.checks._gate import provenance_for
 from kdctl.errors import KdctlError
@@ -24,6 +24,7 @@ from kdctl.probes import (
     probe_xids,
 )
 from kdctl.readiness import Answers, LatestVerdict
+from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
 from kdctl.transports import TransportPool, fan_out
 
 
@@ -58,16 +59,19 @@ class BackendStatus(BaseModel):
 
 
 class TrafficStatus(BaseModel):
-    """Which backend takes traffic: read back from the router, else as the inventory says."""
+    """The router: the weights its configuration holds (what it is meant to do), and the
+    backend that answered a request through its front (what it does)."""
 
     router: str | None = None
     router_host: str | None = None
     listen: str | None = None
+    # The backend that answered through the front just now; null when none did.
     serving: str | None = None
     weights: dict[str, int] = {}
-    source: str = "inventory"
+    source: str | None = None
     draining: bool = False
     detail: str | None = None
+    front: FrontAnswer | None = None
     # The journal's cutover that has not finished, if any: id, from, to, strategy, steps done.
     cutover_in_progress: dict[str, Any] | None = None
 
@@ -83,10 +87,16 @@ class StatusReport(BaseModel):
     # What each served engine said it is (or why it said nothing), for the readiness answers,
     # so that they need not ask again.
     _identities: dict[str, Identity] = PrivateAttr(default_factory=dict)
+    # The end-to-end probe the traffic line and the serving answer are both built from.
+    _serving: ServingProbe | None = PrivateAttr(default=None)
 
     @property
     def identities(self) -> dict[str, Identity]:
         return self._identities
+
+    @property
+    def serving(self) -> ServingProbe | None:
+        return self._serving
 
     @property
     def unreachable(self) -> list[str]:
@@ -154,6 +164,7 @@ def collect_status(
 
     partial: dict[str, HostStatus] = {}
     identities: dict[str, Identity] = {}
+    healths: dict[str, HealthResult] = {}
     with TransportPool(inventory) as pool, httpx.Client() as client:
 
         def host_probe(name: str) -> _HostFacts:
@@ -191,6 +202,7 @@ def collect_status(
                 return base
             api_key = inventory.api_key(name)
             health = probe_health(client, spec.url, api_key=api_key, timeout=min(deadline_s, 10.0))
+            healths[name] = health
             status = base.model_copy(
                 update=health.model_dump(exclude={"status_code"})
                 | {"http_status": health.status_code}
@@ -260,10 +272,23 @@ def collect_status(
         status.service = services.get(name)
         backends.append(status)
 
-    traffic = live_traffic(inventory)
-    report = StatusReport(
-        inventory=str(inventory.path), hosts=hosts, backends=backends, traffic=traffic
+    serving = probe_serving(
+        inventory,
+        health={
+            n: h
+            for n, h in healths.items()
+            if isinstance(outcomes[f"backend:{n}"].value, BackendStatus)
+        },
+        services=services,
+        timeout_s=min(deadline_s, 5.0),
     )
+    report = StatusReport(
+        inventory=str(inventory.path),
+        hosts=hosts,
+        backends=backends,
+        traffic=traffic_status(inventory, serving),
+    )
+    report._serving = serving
     # Only what finished within the deadline: a backend still being asked is asked again.
     report._identities.update(
         (name, ident)
@@ -273,33 +298,30 @@ def collect_status(
     return report
 
 
-def live_traffic(inventory: LoadedInventory) -> TrafficStatus:
-    """The router's own state when it can be read, and any cutover the journal left open."""
-    from kdctl.traffic import Journal, make_router
+def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> TrafficStatus:
+    """The router's configured weights beside who answered through its front, and any cutover
+    the journal left open."""
+    from kdctl.traffic import Journal
 
     router = inventory.spec.router
     if router is None:
         return TrafficStatus()
+    routed = serving.routed
     traffic = TrafficStatus(
         router=router.kind,
         router_host=router.host,
         listen=router.listen,
-        serving=router.serving,
-        weights={router.serving: 100},
+        serving=serving.backend if serving.answered else None,
+        front=serving.front,
     )
-    try:
-        with TransportPool(inventory) as pool:
-            state = make_router(inventory, pool).read()
-    except KdctlError as exc:
-        traffic.detail = f"router not read back ({exc}); as the inventory declares"
-    else:
+    if routed is not None:
         traffic.weights, traffic.source, traffic.draining = (
-            state.weights,
-            state.source,
-            state.draining,
+            routed.weights,
+            routed.source,
+            routed.draining,
         )
-        top = max(state.weights.items(), key=lambda kv: kv[1], default=None)
-        traffic.serving = top[0] if top else None
+        if routed.error:
+            traffic.detail = f"router not read back ({routed.error})"
     if (inventory.state_dir / "traffic.sqlite").exists():
         with Journal(inventory.state_dir) as journal:
             open_one = journal.latest(state="running")

@@ -8,6 +8,7 @@ from kdctl.roadmap._evaluate import (
     PhaseReport,
     PhaseStatus,
     evaluate,
+    evaluate_criterion,
     pinned_settings,
 )
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap, load_roadmap, roadmap_path
@@ -24,6 +25,7 @@ __all__ = [
     "Roadmap",
     "RoadmapSpec",
     "evaluate",
+    "evaluate_criterion",
     "load_roadmap",
     "pinned_settings",
     "roadmap_path",

@@ -158,6 +158,21 @@ def evaluate(
     )
 
 
+def evaluate_criterion(
+    c: ResolvedCriterion,
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    identify: Callable[[set[str]], Mapping[str, Identity]],
+    *,
+    now: datetime | None = None,
+) -> CriterionStatus:
+    """One criterion, judged as `evaluate` judges it inside its phase."""
+    now = now or utcnow()
+    result = _newest_match(c, inv, store)
+    identity = identify({c.backend}).get(c.backend) if result is not None else None
+    return _criterion(c, inv, result, identity, now)
+
+
 def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any]:
     """The criterion's settings as the gate records them (validated, JSON), its keys only."""
     if not c.spec.settings:

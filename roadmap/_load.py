@@ -54,6 +54,24 @@ class Roadmap:
             for i, phase in enumerate(self.spec.phases)
         }
 
+    def speed_criterion(self, backend: str) -> ResolvedCriterion | None:
+        """The roadmap's speed criterion as it would judge `backend`: the named one, else the
+        first throughput criterion with a ratio requirement. None when the roadmap has none,
+        or when its criterion is pinned to another backend."""
+        for i, phase in enumerate(self.spec.phases):
+            for j, c in enumerate(phase.criteria):
+                name = c.name or _default_name(c, c.backend or self.spec.candidate)
+                chosen = (
+                    name == self.spec.speed
+                    if self.spec.speed is not None
+                    else c.gate == "throughput" and any("ratio" in m for m in c.require)
+                )
+                if chosen:
+                    if c.backend is not None and c.backend != backend:
+                        return None
+                    return _resolve(self.spec, phase, c, self.lines.get((i, j)), backend)
+        return None
+
     @property
     def phases(self) -> list[Phase]:
         return list(self.spec.phases)
@@ -170,6 +188,20 @@ def _cross_check(spec: RoadmapSpec, inv: LoadedInventory) -> Iterable[tuple[Loc,
                     ),
                 )
             names.setdefault(name, phase.id)
+    if spec.speed is not None:
+        gate = next(
+            (
+                c.gate
+                for p in spec.phases
+                for c in p.criteria
+                if (c.name or _default_name(c, c.backend or spec.candidate)) == spec.speed
+            ),
+            None,
+        )
+        if gate is None:
+            yield ("speed",), unknown_name("criterion", spec.speed, names)
+        elif gate != "throughput":
+            yield ("speed",), f"{spec.speed!r} is a {gate} criterion; speed is a throughput one"
     cycle = _find_cycle(spec)
     if cycle:
         first = next(i for i, p in enumerate(spec.phases) if p.id == cycle[0])

@@ -52,4 +52,8 @@ class RoadmapSpec(_Model):
     candidate: Name
     # The phase whose prerequisites decide "can we cut over"; unset, the last phase.
     target: Name | None = None
+    # The throughput criterion that says whether an engine is "speed-optimized"; unset, the
+    # first throughput criterion that requires a ratio against the baseline. A criterion's
+    # name as `kdctl phases` shows it (`gate:backend` where it has no `name`).
+    speed: str | None = None
     phases: list[Phase] = Field(min_length=1)

@@ -119,7 +119,15 @@ def test_status_over_ssh(fleet: SshdFleet, engines: dict[str, int], tmp_path: Pa
         assert backends["sglang"]["service"]["state"] == "running"
         assert backends["sglang"]["service"]["pid"] == engine.pid
         assert {"name", "kind", "url", "state"} <= set(backends["native"])
-        assert doc["traffic"]["serving"] == "sglang"
+        # The inventory names a router nobody runs: nothing answers through it, whatever the
+        # inventory's `serving:` says.
+        assert doc["traffic"]["serving"] is None
+        serving = doc["answers"]["serving"]
+        assert (serving["state"], serving["answered"], serving["backend"]) == (
+            "nothing",
+            False,
+            None,
+        )
 
         wrong = kdctl("status", "-i", str(inv), "--json", env={"KDCTL_TEST_KEY": "wrong"})
         vllm = next(b for b in json.loads(wrong.out)["backends"] if b["name"] == "vllm")

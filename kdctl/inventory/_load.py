@@ -10,7 +10,7 @@ import difflib
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
@@ -26,6 +26,7 @@ from kdctl.inventory.models import (
     CommandService,
     HostSpec,
     Inventory,
+    RouterSpec,
 )
 
 Loc = tuple[str | int, ...]
@@ -33,6 +34,8 @@ Loc = tuple[str | int, ...]
 ENV_INVENTORY = "KDCTL_INVENTORY"
 ENV_STATE_DIR = "KDCTL_STATE_DIR"
 DEFAULT_INVENTORY = Path("inventory.yaml")
+# The key under which the router's own API-key variable is tracked beside the backends'.
+ROUTER_KEY = "router"
 # Kinds that talk HTTP and so need a URL; `reference` runs in-process, `native` in command mode
 # runs a binary.
 _URL_KINDS = {"sglang", "openai"}
@@ -45,6 +48,13 @@ class LoadedInventory:
     spec: Inventory
     path: Path
     state_dir: Path
+    # API-key variables the environment lacks, by backend (or ROUTER_KEY): each message names
+    # the file, line and variable.
+    unset_keys: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f"{m} (needed when kdctl talks to the engine)" for m in self.unset_keys.values()]
 
     @property
     def hosts(self) -> Mapping[str, HostSpec]:
@@ -55,7 +65,20 @@ class LoadedInventory:
         return self.spec.backends
 
     def api_key(self, backend: str) -> SecretStr | None:
+        """The backend's key; an InputError when its variable is unset, since a request sent
+        without it would only be refused."""
+        if backend in self.unset_keys:
+            raise InputError(self.unset_keys[backend])
         return resolve_api_key(self.spec.backends[backend], self.path.parent)
+
+    def router_api_key(self) -> SecretStr | None:
+        """The key the router's front door itself requires, where it requires one."""
+        router = self.spec.router
+        if router is None:
+            return None
+        if ROUTER_KEY in self.unset_keys:
+            raise InputError(self.unset_keys[ROUTER_KEY])
+        return resolve_api_key(router, self.path.parent)
 
     def service_env(self, backend: str) -> dict[str, str]:
         """What a command service hands its engine; InputError naming this file and each
@@ -94,8 +117,23 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
     if problems:
         raise InputError(format_problems(doc, problems))
 
+    unset = {
+        owner: format_problems(doc, [(at, f"environment variable {var} is not set")])
+        for owner, at, var in _key_variables(spec)
+        if not os.environ.get(var)
+    }
     chosen = state_dir or os.environ.get(ENV_STATE_DIR) or spec.state_dir
-    return LoadedInventory(spec=spec, path=path, state_dir=local_path(Path(chosen), base))
+    return LoadedInventory(
+        spec=spec, path=path, state_dir=local_path(Path(chosen), base), unset_keys=unset
+    )
+
+
+def _key_variables(spec: Inventory) -> Iterable[tuple[str, Loc, str]]:
+    for name, be in spec.backends.items():
+        if be.api_key_env:
+            yield name, ("backends", name, "api_key_env"), be.api_key_env
+    if spec.router is not None and spec.router.api_key_env:
+        yield ROUTER_KEY, ("router", "api_key_env"), spec.router.api_key_env
 
 
 def local_path(path: Path, base: Path) -> Path:
@@ -107,7 +145,7 @@ def local_path(path: Path, base: Path) -> Path:
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
 
 
-def resolve_api_key(backend: BackendSpec, base: Path) -> SecretStr | None:
+def resolve_api_key(backend: BackendSpec | RouterSpec, base: Path) -> SecretStr | None:
     if backend.api_key_env:
         value = (os.environ.get(backend.api_key_env) or "").strip()
         return SecretStr(value) if value else None
@@ -147,6 +185,29 @@ def resolve_service_env(
     return values
 
 
+def _key_problems(
+    owner: BackendSpec | RouterSpec, at: Loc, base: Path
+) -> Iterable[tuple[Loc, str]]:
+    if owner.api_key_env and owner.api_key_file:
+        yield (*at, "api_key_env"), "set api_key_env or api_key_file, not both"
+    elif owner.api_key_env and not os.environ.get(owner.api_key_env):
+        # Needed when kdctl talks to the engine, not to check a file: a warning at load,
+        # a refusal from LoadedInventory.api_key.
+        return
+    elif owner.api_key_file and not local_path(owner.api_key_file, base).is_file():
+        yield (*at, "api_key_file"), f"{owner.api_key_file} does not exist"
+    elif owner.api_key_env or owner.api_key_file:
+        key = resolve_api_key(owner, base)
+        if key is None or not _HEADER_SAFE.fullmatch(key.get_secret_value()):
+            # Never echo the key: say only where it came from and what is wrong.
+            source = "api_key_env" if owner.api_key_env else "api_key_file"
+            yield (
+                (*at, source),
+                "the API key is empty or holds spaces or control characters "
+                "(a trailing newline inside the value?)",
+            )
+
+
 def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
     """What one model cannot see: names that point elsewhere, secrets, GPU arithmetic."""
     hosts = spec.hosts
@@ -180,24 +241,7 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             if be.url in urls:
                 yield (*at, "url"), f"{be.url} is already the URL of backend {urls[be.url]!r}"
             urls.setdefault(be.url, name)
-        if be.api_key_env and be.api_key_file:
-            yield (*at, "api_key_env"), "set api_key_env or api_key_file, not both"
-        elif be.api_key_env and not os.environ.get(be.api_key_env):
-            yield (*at, "api_key_env"), f"environment variable {be.api_key_env} is not set"
-        elif be.api_key_file and not local_path(be.api_key_file, base).is_file():
-            yield (*at, "api_key_file"), f"{be.api_key_file} does not exist"
-        elif be.api_key_env or be.api_key_file:
-            key = resolve_api_key(be, base)
-            if key is None or not _HEADER_SAFE.fullmatch(key.get_secret_value()):
-                # Never echo the key: say only where it came from and what is wrong.
-                field = "api_key_env" if be.api_key_env else "api_key_file"
-                yield (
-                    (*at, field),
-                    (
-                        "the API key is empty or holds spaces or control characters "
-                        "(a trailing newline inside the value?)"
-                    ),
-                )
+        yield from _key_problems(be, at, base)
         if len(set(be.gpus)) != len(be.gpus):
             yield (*at, "gpus"), "lists a GPU more than once"
         if be.gpus and be.tp_size > len(be.gpus):
@@ -214,6 +258,7 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
                         (f"GPU {gpu} does not exist: host {be.host!r} has {owner.gpus} GPU(s)"),
                     )
     if spec.router:
+        yield from _key_problems(spec.router, ("router",), base)
         if spec.router.host not in hosts:
             yield ("router", "host"), unknown_name("host", spec.router.host, hosts)
         if spec.router.serving not in spec.backends:

@@ -268,6 +268,10 @@ class RouterSpec(_Model):
     nginx: Annotated[str, AfterValidator(_absolute_or_name)] = "nginx"
     prefix: HostPath | None = None
     conf: HostPath | None = None
+    # The key the front door itself requires (a gateway with its own auth); unset, kdctl sends
+    # the key of the backend the router weights most, which nginx passes through.
+    api_key_env: EnvVar | None = None
+    api_key_file: Path | None = None
     # Client connections are not kept alive through the front: a request sent on an idle
     # kept-alive connection as a reload closes it fails (6 in 625 measured; 0 without).
     keepalive: bool = False

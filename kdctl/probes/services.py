@@ -90,6 +90,11 @@ def _command(transport: Transport, service: CommandService, timeout: float) -> S
         )
     # A pid outlives its process and gets reused: check it is still the program we started.
     running = [a for a in cmdline.stdout.split("\x00") if a]
+    if not running:
+        # A zombie keeps its /proc entry with an empty command line until it is reaped.
+        return ServiceState(
+            kind="command", name=name, state="stopped", pid=pid, detail=f"pid {pid} has exited"
+        )
     wanted = posixpath.basename(service.argv[0])
     names = {posixpath.basename(a) for a in running[:3]}
     if running and wanted not in names:

@@ -1,0 +1,431 @@
+"""Who serves right now, measured end to end: a real request through the router's front door,
+and every backend the router weights asked directly on its own URL.
+
+The router's configuration says what it is meant to do; only an answer through its front says
+what it does. Nothing here is taken from the inventory's `serving:` or from a file alone.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Mapping
+from typing import Literal
+
+import httpx
+from pydantic import BaseModel, SecretStr
+
+from kdctl.backends import GenerateRequest, HealthResult, make_backend, probe_health
+from kdctl.backends.errors import (
+    BackendAuthError,
+    BackendError,
+    BackendHTTPError,
+    BackendNotReady,
+    BackendTimeout,
+    BackendUnavailable,
+)
+from kdctl.backends.health import BackendState
+from kdctl.errors import KdctlError
+from kdctl.inventory import LoadedInventory
+from kdctl.probes import ServiceState
+
+ServingState = Literal["serving", "degraded", "nothing", "unknown"]
+
+# Headers the nginx configuration kdctl writes adds to every answer: the upstream address(es)
+# nginx tried, and the backend name its map gives the last one.
+UPSTREAM_HEADER = "X-Kdctl-Upstream"
+BACKEND_HEADER = "X-Kdctl-Backend"
+
+# A one-token greedy generation: the cheapest request that proves an engine serves, not only
+# that its HTTP server is up. Token 1 exists in every vocabulary.
+_PROBE = GenerateRequest(input_ids=[1], max_new_tokens=1, temperature=0.0)
+
+
+class Routed(BaseModel):
+    """The router's weights as read back, and where from. For nginx that is the file kdctl
+    wrote: what the router is meant to do, not proof of what it does."""
+
+    weights: dict[str, int] = {}
+    source: str | None = None
+    draining: bool = False
+    error: str | None = None
+
+
+class FrontAnswer(BaseModel):
+    """One real request through the router's listen address."""
+
+    url: str
+    route: str | None = None
+    answered: bool | None
+    backend: str | None = None
+    status_code: int | None = None
+    latency_ms: float | None = None
+    detail: str
+
+
+class EngineAnswer(BaseModel):
+    """A backend asked directly on its own URL."""
+
+    name: str
+    weight: int = 0
+    state: BackendState
+    latency_ms: float | None = None
+    detail: str | None = None
+    service: str | None = None
+
+
+class ServingProbe(BaseModel):
+    state: ServingState
+    # True: the front answered with an engine's answer; false: it refused, timed out or no
+    # engine behind it answered; null: not known from here.
+    answered: bool | None
+    # The backend that answered through the front, else null.
+    backend: str | None = None
+    router: str | None = None
+    listen: str | None = None
+    routed: Routed | None = None
+    front: FrontAnswer | None = None
+    engines: list[EngineAnswer] = []
+    detail: str
+
+
+def probe_serving(
+    inv: LoadedInventory,
+    *,
+    health: Mapping[str, HealthResult] | None = None,
+    services: Mapping[str, ServiceState] | None = None,
+    timeout_s: float = 5.0,
+) -> ServingProbe:
+    """Ask the front door and the engines. `health` and `services` are what the caller has
+    just measured (`kdctl status` probes every backend anyway), so nothing is asked twice."""
+    from kdctl.traffic import make_router  # traffic's cutover reads these answers
+
+    known = dict(health or {})
+    spec = inv.spec.router
+    with httpx.Client() as client:
+
+        def engine(name: str, weight: int = 0) -> EngineAnswer:
+            url = inv.backends[name].url
+            if url is None:
+                return EngineAnswer(name=name, weight=weight, state="unknown", detail="no URL")
+            if name not in known:
+                known[name] = probe_health(
+                    client, url, api_key=inv.api_key(name), timeout=timeout_s
+                )
+            h = known[name]
+            svc = (services or {}).get(name)
+            return EngineAnswer(
+                name=name,
+                weight=weight,
+                state=h.state,
+                latency_ms=h.latency_ms,
+                detail=h.detail,
+                service=_service_text(svc) if svc else None,
+            )
+
+        if spec is None:
+            engines = [engine(n) for n, b in inv.backends.items() if b.url]
+            return _without_router(engines)
+
+        routed = Routed()
+        from kdctl.transports import TransportPool
+
+        try:
+            with TransportPool(inv) as pool:
+                router = make_router(inv, pool)
+                state = router.read()
+        except KdctlError as exc:
+            routed.error = str(exc)
+            router_front = _front_url(inv)
+        else:
+            routed = Routed(
+                weights=state.weights,
+                source=state.source
+                if spec.kind != "nginx"
+                else f"{state.source} (the configuration file: intended weights)",
+                draining=state.draining,
+            )
+            router_front = router.front_url
+        weighted = {n: w for n, w in routed.weights.items() if w > 0 and n in inv.backends}
+        names = list(weighted) + [n for n, b in inv.backends.items() if b.url and n not in weighted]
+        engines = [engine(n, weighted.get(n, 0)) for n in names]
+        front = _ask_front(inv, client, router_front, spec.kind, weighted, engines, timeout_s)
+    return _judge(inv, spec.kind, spec.listen, spec.host, routed, front, engines)
+
+
+def _front_url(inv: LoadedInventory) -> str:
+    spec = inv.spec.router
+    assert spec is not None
+    host, _, port = spec.listen.rpartition(":")
+    host = host.strip("[]")
+    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on, not binds
+        h = inv.hosts[spec.host]
+        host = "127.0.0.1" if h.transport == "local" else (h.address or "127.0.0.1")
+    return f"http://{host}:{port}"
+
+
+def _service_text(svc: ServiceState) -> str:
+    return f"{svc.kind}: {svc.detail or svc.state}"
+
+
+def _front_key(inv: LoadedInventory, weighted: Mapping[str, int]) -> SecretStr | None:
+    """The front door's own key where the router needs one, else the key of the backend the
+    router weights most (nginx passes the header through to it)."""
+    spec = inv.spec.router
+    key = inv.router_api_key() if spec is not None else None
+    if key is not None:
+        return key
+    for name, _ in sorted(weighted.items(), key=lambda kv: -kv[1]):
+        key = inv.api_key(name)
+        if key is not None:
+            return key
+    return None
+
+
+def _ask_front(
+    inv: LoadedInventory,
+    client: httpx.Client,
+    url: str,
+    kind: str,
+    weighted: Mapping[str, int],
+    engines: list[EngineAnswer],
+    timeout_s: float,
+) -> FrontAnswer:
+    """A one-token generation through the front, spoken in the protocol of the backend the
+    router weights most; the health route where generation is refused (no key, no route)."""
+    last: dict[str, httpx.Response] = {}
+
+    def keep(resp: httpx.Response) -> None:
+        last["resp"] = resp
+
+    speaker = max(weighted.items(), key=lambda kv: kv[1])[0] if weighted else None
+    speaker = speaker or next((e.name for e in engines), None)
+    key = _front_key(inv, weighted)
+    started = time.monotonic()
+    route = "/generate"
+    with httpx.Client(event_hooks={"response": [keep]}) as hooked:
+        try:
+            if speaker is None:
+                raise BackendHTTPError("front", url, 404, "no backend to speak for")
+            spec = inv.backends[speaker].model_copy(update={"url": url})
+            with make_backend(speaker, spec, api_key=key, client=hooked, timeout=timeout_s) as be:
+                be.generate(_PROBE)
+            error: BackendError | None = None
+        except (BackendAuthError, BackendHTTPError) as exc:
+            # Generation refused (a key kdctl lacks, a route the engine lacks): its health
+            # route still tells whether an engine answers behind the front.
+            route = "/health"
+            last.pop("resp", None)
+            started = time.monotonic()
+            h = probe_health(hooked, url, api_key=key, timeout=timeout_s)
+            error = (
+                None
+                if h.state == "up"
+                else (
+                    BackendUnavailable("front", url, h.detail or "")
+                    if h.state == "down"
+                    else BackendHTTPError("front", url, h.status_code or 0, h.detail or "")
+                    if h.status_code
+                    else BackendTimeout("front", url, h.detail or "")
+                    if "no answer" in (h.detail or "")
+                    else exc
+                )
+            )
+        except BackendError as exc:
+            error = exc
+        except KdctlError as exc:
+            return FrontAnswer(url=url, answered=None, detail=f"cannot probe the front: {exc}")
+    latency = round((time.monotonic() - started) * 1000, 1)
+    resp = last.get("resp")
+    who = _answering_backend(inv, resp, kind, engines)
+    code = resp.status_code if resp is not None else None
+    if error is None:
+        return FrontAnswer(
+            url=url,
+            route=route,
+            answered=True,
+            backend=who,
+            status_code=code,
+            latency_ms=latency,
+            detail=f"answered {route} in {latency:.0f} ms",
+        )
+    if isinstance(error, BackendUnavailable):
+        return FrontAnswer(url=url, route=route, answered=False, detail="refuses connections")
+    if isinstance(error, BackendTimeout):
+        return FrontAnswer(
+            url=url, route=route, answered=False, detail=f"did not answer within {timeout_s:g}s"
+        )
+    if isinstance(error, BackendAuthError):
+        return FrontAnswer(
+            url=url,
+            route=route,
+            answered=None,
+            backend=who,
+            status_code=code,
+            detail=f"refused kdctl's request (HTTP {code}): no valid API key for the front",
+        )
+    if isinstance(error, BackendNotReady) or code is not None:
+        draining = resp is not None and "draining" in _text(resp)
+        why = (
+            "is draining (503 with Retry-After while engines swap)"
+            if draining
+            else f"answered HTTP {code}: no engine behind it answered"
+            if code in (502, 504)
+            else f"answered HTTP {code}, not an engine's answer"
+        )
+        return FrontAnswer(
+            url=url, route=route, answered=False, backend=who, status_code=code, detail=why
+        )
+    return FrontAnswer(url=url, route=route, answered=None, detail=f"{error}")
+
+
+def _text(resp: httpx.Response) -> str:
+    try:
+        return resp.text[:200]
+    except httpx.HTTPError:
+        return ""
+
+
+def _answering_backend(
+    inv: LoadedInventory, resp: httpx.Response | None, kind: str, engines: list[EngineAnswer]
+) -> str | None:
+    if resp is None:
+        return None
+    if kind == "nginx":
+        tried = resp.headers.get(UPSTREAM_HEADER, "")
+        # "a:1, b:2 : c:3": the last address is the one whose answer came back.
+        addr = tried.replace(" : ", ", ").split(",")[-1].strip() if tried else ""
+        if addr:
+            return _backend_at(inv, addr)
+        return resp.headers.get(BACKEND_HEADER) or None
+    # SGLang's router names no backend per answer: the one listed worker that answers
+    # directly, when there is exactly one.
+    up = [e.name for e in engines if e.weight > 0 and e.state == "up"]
+    return up[0] if len(up) == 1 else None
+
+
+def _backend_at(inv: LoadedInventory, address: str) -> str | None:
+    """The backend whose URL is this host:port; nginx reports resolved addresses, so a name in
+    the inventory is resolved here too."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    for name, spec in inv.backends.items():
+        if not spec.url:
+            continue
+        u = httpx.URL(spec.url)
+        their_port = u.port or (443 if u.scheme == "https" else 80)
+        if str(their_port) != port:
+            continue
+        if u.host == host:
+            return name
+        try:
+            resolved = {a[4][0] for a in socket.getaddrinfo(u.host, their_port)}
+        except OSError:
+            continue
+        if host in resolved:
+            return name
+    return None
+
+
+def _without_router(engines: list[EngineAnswer]) -> ServingProbe:
+    up = [e.name for e in engines if e.state == "up"]
+    others = [f"{e.name} is {_engine_words(e)}" for e in engines if e.state != "up"]
+    if up:
+        detail = (
+            "no router in the inventory; answering on their own URLs: "
+            + ", ".join(up)
+            + ("; " + "; ".join(others) if others else "")
+        )
+        return ServingProbe(
+            state="serving",
+            answered=True,
+            backend=up[0] if len(up) == 1 else None,
+            engines=engines,
+            detail=detail,
+        )
+    return ServingProbe(
+        state="nothing",
+        answered=False,
+        engines=engines,
+        detail="no router in the inventory, and no engine answers on its own URL"
+        + ("; " + "; ".join(others) if others else ""),
+    )
+
+
+def _engine_words(e: EngineAnswer) -> str:
+    words = {"up": "up", "down": "down", "starting": "not ready", "unknown": "not answering"}
+    text = words[e.state]
+    why = [w for w in (e.detail, e.service) if w]
+    return f"{text} ({'; '.join(why)})" if why else text
+
+
+def _judge(
+    inv: LoadedInventory,
+    kind: str,
+    listen: str,
+    host: str,
+    routed: Routed,
+    front: FrontAnswer,
+    engines: list[EngineAnswer],
+) -> ServingProbe:
+    where = (
+        f"{host}:{listen.rpartition(':')[2]}" if inv.hosts[host].transport != "local" else listen
+    )
+    weighted = [e for e in engines if e.weight > 0]
+    broken = [e for e in weighted if e.state != "up"]
+    idle_up = [e for e in engines if e.weight == 0 and e.state == "up" and e.name != front.backend]
+    notes = [f"{e.name} (weight {e.weight}) is {_engine_words(e)}" for e in broken]
+    if routed.error:
+        notes.append(f"the router's weights were not read back ({routed.error})")
+    notes += [f"{e.name} is up and receives no traffic" for e in idle_up]
+    base = {
+        "router": kind,
+        "listen": listen,
+        "routed": routed,
+        "front": front,
+        "engines": engines,
+    }
+
+    def tail() -> str:
+        return ("; " + "; ".join(notes)) if notes else ""
+
+    if front.answered is True:
+        who = front.backend
+        stray = who is not None and bool(routed.weights) and who not in {e.name for e in weighted}
+        if stray:
+            # The front is the truth; the file describes a change the router has not made.
+            notes.insert(
+                0,
+                f"the router's configuration file gives {who} no weight: it is written, "
+                "not applied",
+            )
+        by = who or "an engine the router does not name"
+        head = f"{by} through {kind} on {where} ({front.detail})"
+        if broken and not stray:
+            return ServingProbe(
+                state="degraded",
+                answered=True,
+                backend=who,
+                detail=f"{head}, but part of the traffic fails" + tail(),
+                **base,
+            )
+        return ServingProbe(
+            state="serving", answered=True, backend=who, detail=head + tail(), **base
+        )
+    if front.answered is False:
+        lead = f"The router on {where} {front.detail}"
+        if front.status_code is not None and weighted and len(broken) < len(weighted):
+            return ServingProbe(
+                state="degraded",
+                answered=False,
+                detail=lead + ", though a backend it weights answers directly" + tail(),
+                **base,
+            )
+        return ServingProbe(state="nothing", answered=False, detail=lead + tail(), **base)
+    return ServingProbe(
+        state="unknown",
+        answered=None,
+        backend=None,
+        detail=f"the router on {where} could not be asked: {front.detail}" + tail(),
+        **base,
+    )

@@ -1,0 +1,374 @@
+"""The first answer, "who serves now", measured through the front door: a real nginx on
+loopback with kdctl's own configuration in front of reference servers, and closed ports where
+an engine is stopped. In every situation `status`, `phases` and `report` agree, line 1 and
+JSON alike, and their exit codes agree with answer 3."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import Served, engine_pair, kdctl, write_inventory
+from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.sshd import free_port
+
+pytest.importorskip("torch")
+
+WORKLOAD = {"input_len": 8, "output_len": 4, "concurrency": [2], "num_prompts": 8}
+ROADMAP = {
+    "title": "Serving test",
+    "serving": "baseline",
+    "candidate": "candidate",
+    "speed": "throughput:candidate",
+    "phases": [
+        {"id": "serving", "title": "Healthy", "criteria": [{"gate": "health"}]},
+        {
+            "id": "speed",
+            "title": "As fast as the baseline",
+            "depends_on": ["serving"],
+            "criteria": [
+                {
+                    "gate": "throughput",
+                    "settings": {"workload": WORKLOAD, "min_ratio": 0.2},
+                    "require": {"*.ratio": ">= 0.2", "*.failed": "== 0"},
+                }
+            ],
+        },
+    ],
+}
+
+
+class Front:
+    """An inventory, and nginx running kdctl's configuration for it."""
+
+    def __init__(self, root: Path, nginx: str, urls: dict[str, str], router: bool = True):
+        self.root = root
+        self.port = free_port()
+        self.include = root / "nginx" / "kdctl.conf"
+        self.include.parent.mkdir(parents=True)
+        (root / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+        data: dict[str, Any] = {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": engine_pair(urls["baseline"], urls["candidate"]),
+            "gates": {"throughput": {"workload": WORKLOAD, "min_ratio": 0.2}},
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        }
+        if router:
+            data["router"] = {
+                "kind": "nginx",
+                "host": "local",
+                "listen": f"127.0.0.1:{self.port}",
+                "serving": "baseline",
+                "include": str(self.include),
+                "nginx": nginx,
+                "prefix": str(self.include.parent),
+                "conf": str(self.include.parent / "nginx.conf"),
+            }
+        self.inv = write_inventory(root / "inv.yaml", data)
+        self.nginx = nginx
+        self.pidfile: Path | None = None
+
+    def render(self, weights: dict[str, int]) -> str:
+        from kdctl.inventory import load_inventory
+        from kdctl.traffic.nginx import NginxRouter
+        from kdctl.transports import TransportPool
+
+        inv = load_inventory(self.inv)
+        with TransportPool(inv) as pool:
+            router = NginxRouter(inv, inv.spec.router, pool.get("local"))  # type: ignore[arg-type]
+            return router.render(weights)
+
+    def start(self, weights: dict[str, int]) -> None:
+        self.include.write_text(self.render(weights))
+        self.pidfile = start_nginx(self.include.parent, f"  include {self.include};", [self.port])
+
+    def reload(self) -> None:
+        conf = self.include.parent / "nginx.conf"
+        subprocess.run(
+            [self.nginx, "-p", str(conf.parent), "-c", str(conf), "-s", "reload"], check=True
+        )
+        time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.pidfile is not None:
+            stop_nginx(self.pidfile)
+            self.pidfile = None
+
+    def ask(self) -> dict[str, Any]:
+        """status, phases and report, each as JSON and as text; they must agree."""
+        inv = str(self.inv)
+        status = kdctl("status", "-i", inv, "--json", "--timeout", "2")
+        status_text = kdctl("status", "-i", inv, "--timeout", "2")
+        phases = kdctl("phases", "-i", inv, "--json")
+        phases_text = kdctl("phases", "-i", inv)
+        report = kdctl("report", "-i", inv, "-o", str(self.root / "report"), "--json")
+        assert status.code == 0, status.err
+        docs = {
+            "status": json.loads(status.out)["answers"],
+            "phases": json.loads(phases.out)["answers"],
+            "report": json.loads(report.out)["answers"],
+            "report.json": json.loads((self.root / "report" / "report.json").read_text())[
+                "answers"
+            ],
+        }
+        serving = {k: _stable(d["serving"]) for k, d in docs.items()}
+        assert len({json.dumps(v, sort_keys=True) for v in serving.values()}) == 1, serving
+        line1 = [_line1(out) for out in (status_text.out, phases_text.out, _md(self.root))]
+        # Latency figures differ between runs; the words must not.
+        assert len({_words(ln) for ln in line1}) == 1, "\n".join(line1)
+        # Exit codes agree with answer 3, whatever the text around it.
+        can = docs["phases"]["cutover"]["can_cut_over"]
+        assert phases.code == report.code == (0 if can else 1), (phases.code, report.code)
+        return {"serving": docs["status"]["serving"], "line": line1[0], "cutover": can}
+
+
+def _stable(serving: dict[str, Any]) -> dict[str, Any]:
+    keep = ("state", "answered", "backend", "routed", "speed_optimized")
+    return {k: serving[k] for k in keep}
+
+
+def _line1(text: str) -> str:
+    """Answer 1 as printed, unwrapped (a terminal table wraps long lines)."""
+    start = text.index("Serving now:")
+    end = text.index("2. Phases", start)
+    return "1. " + " ".join(text[start:end].split())
+
+
+def _words(line: str) -> str:
+    return re.sub(r"measured [\w ]+ ago", "measured N ago", re.sub(r"\d+ ms", "N ms", line))
+
+
+def _md(root: Path) -> str:
+    # Markdown escapes its punctuation; the words are the same.
+    text = re.sub(r"\\(.)", r"\1", (root / "report" / "report.md").read_text())
+    return html.unescape(text)
+
+
+@pytest.fixture
+def closed_port() -> str:
+    """An engine that is stopped: nothing listens on its port."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def silent_engine() -> Iterator[str]:
+    """An engine that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    t.join(2)
+    for c in held:
+        c.close()
+    sock.close()
+
+
+def test_baseline_stopped_router_up_is_nothing(
+    tmp_path: Path, need_nginx: str, twin_server: Served, closed_port: str
+) -> None:
+    front = Front(tmp_path, need_nginx, {"baseline": closed_port, "candidate": twin_server.url})
+    front.start({"baseline": 100})
+    try:
+        got = front.ask()
+    finally:
+        front.stop()
+    s = got["serving"]
+    assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
+    assert s["routed"]["weights"] == {"baseline": 100}
+    assert "intended" in s["routed"]["source"]
+    assert s["speed_optimized"] is None
+    assert got["line"].startswith("1. Serving now: nothing.")
+    assert "no engine behind it answered" in got["line"]
+    assert "baseline (weight 100) is down (connection refused)" in got["line"]
+    assert "candidate is up and receives no traffic" in got["line"]
+
+
+def test_router_stopped_is_nothing_even_with_engines_up(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> None:
+    urls = {"baseline": reference_server.url, "candidate": twin_server.url}
+    front = Front(tmp_path, need_nginx, urls)
+    front.start({"baseline": 100})
+    front.stop()  # the configuration file stays, naming baseline at 100
+    got = front.ask()
+    s = got["serving"]
+    assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
+    assert s["routed"]["weights"] == {"baseline": 100}
+    assert f"The router on 127.0.0.1:{front.port} refuses connections" in got["line"]
+    assert "baseline" not in got["line"].split("Serving now:")[1].split(".")[0]
+
+
+def test_both_stopped_is_nothing(tmp_path: Path, need_nginx: str, closed_port: str) -> None:
+    other = f"http://127.0.0.1:{free_port()}"
+    front = Front(tmp_path, need_nginx, {"baseline": closed_port, "candidate": other})
+    front.start({"baseline": 100})
+    front.stop()
+    got = front.ask()
+    s = got["serving"]
+    assert (s["state"], s["answered"]) == ("nothing", False)
+    assert "refuses connections" in got["line"]
+    assert "baseline (weight 100) is down" in got["line"]
+    assert got["cutover"] is False
+
+
+def test_candidate_up_but_routed_nothing(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> None:
+    urls = {"baseline": reference_server.url, "candidate": twin_server.url}
+    front = Front(tmp_path, need_nginx, urls)
+    front.start({"baseline": 100})
+    try:
+        got = front.ask()
+    finally:
+        front.stop()
+    s = got["serving"]
+    assert (s["state"], s["answered"], s["backend"]) == ("serving", True, "baseline")
+    assert s["front"]["route"] == "/generate" and s["front"]["status_code"] == 200
+    assert s["speed_optimized"] == "baseline"
+    assert got["line"].startswith(
+        f"1. Serving now: baseline through nginx on 127.0.0.1:{front.port} (answered /generate in"
+    )
+    assert "candidate is up and receives no traffic" in got["line"]
+    assert got["line"].endswith("speed: the baseline.")
+
+
+def test_hand_edited_config_reports_what_runs(
+    tmp_path: Path, need_nginx: str, reference_server: Served, closed_port: str
+) -> None:
+    """The file names a backend that is down. Not reloaded: the front still answers from the
+    old one, and that is what is reported. Reloaded: nothing serves."""
+    urls = {"baseline": reference_server.url, "candidate": closed_port}
+    front = Front(tmp_path, need_nginx, urls)
+    front.start({"baseline": 100})
+    try:
+        front.include.write_text(front.render({"candidate": 100}))
+        written = front.ask()
+        front.reload()
+        applied = front.ask()
+    finally:
+        front.stop()
+    s = written["serving"]
+    assert (s["state"], s["answered"], s["backend"]) == ("serving", True, "baseline")
+    assert s["routed"]["weights"] == {"candidate": 100}
+    assert "written, not applied" in written["line"]
+    s = applied["serving"]
+    assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
+    assert "candidate (weight 100) is down" in applied["line"]
+
+
+def test_no_router_reports_which_engines_answer(
+    tmp_path: Path, need_nginx: str, reference_server: Served, closed_port: str
+) -> None:
+    urls = {"baseline": reference_server.url, "candidate": closed_port}
+    front = Front(tmp_path, need_nginx, urls, router=False)
+    got = front.ask()
+    s = got["serving"]
+    assert (s["state"], s["answered"], s["backend"], s["routed"]) == (
+        "serving",
+        True,
+        "baseline",
+        None,
+    )
+    assert "no router in the inventory; answering on their own URLs: baseline" in got["line"]
+    assert "candidate is down" in got["line"]
+
+
+def test_engine_that_never_answers_ends_within_the_deadline(
+    tmp_path: Path, need_nginx: str, silent_engine: str, twin_server: Served
+) -> None:
+    front = Front(tmp_path, need_nginx, {"baseline": silent_engine, "candidate": twin_server.url})
+    front.start({"baseline": 100})
+    try:
+        started = time.monotonic()
+        run = kdctl("status", "-i", str(front.inv), "--json", "--timeout", "2")
+        elapsed = time.monotonic() - started
+    finally:
+        front.stop()
+    assert run.code == 0, run.err
+    s = json.loads(run.out)["answers"]["serving"]
+    assert (s["state"], s["answered"]) == ("nothing", False)
+    assert "did not answer within 2s" in s["detail"]
+    baseline = next(e for e in s["engines"] if e["name"] == "baseline")
+    assert baseline["state"] == "unknown" and "no answer within" in baseline["detail"]
+    # Host probes, engine probes and the front each bounded by the deadline: never hung.
+    assert elapsed < 15, elapsed
+
+
+def test_speed_comes_from_the_roadmaps_criterion_only(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> None:
+    urls = {"baseline": reference_server.url, "candidate": twin_server.url}
+    front = Front(tmp_path, need_nginx, urls)
+    inv = str(front.inv)
+    front.start({"candidate": 100})
+    try:
+        recorded = kdctl("baseline", "record", "-b", "baseline", "--only", "throughput", "-i", inv)
+        assert recorded.code == 0, recorded.err
+        # A throughput pass under another workload: not the criterion's, so not "yes".
+        other = dict(WORKLOAD, output_len=2)
+        data = yaml.safe_load(front.inv.read_text())
+        data["gates"]["throughput"]["workload"] = other
+        loose = write_inventory(tmp_path / "loose.yaml", data)
+        assert (
+            kdctl(
+                "baseline", "record", "-b", "baseline", "--only", "throughput", "-i", str(loose)
+            ).code
+            == 0
+        )
+        run = kdctl(
+            "gate",
+            "run",
+            "throughput",
+            "-b",
+            "candidate",
+            "--baseline",
+            "baseline",
+            "-i",
+            str(loose),
+        )
+        assert run.code == 0, run.out + run.err
+        unmeasured = front.ask()
+        run = kdctl(
+            "gate", "run", "throughput", "-b", "candidate", "--baseline", "baseline", "-i", inv
+        )
+        assert run.code == 0, run.out + run.err
+        measured = front.ask()
+    finally:
+        front.stop()
+    s = unmeasured["serving"]
+    assert (s["state"], s["backend"], s["speed_optimized"]) == (
+        "serving",
+        "candidate",
+        "unmeasured",
+    )
+    assert "unmeasured by throughput:candidate" in unmeasured["line"]
+    s = measured["serving"]
+    assert (s["backend"], s["speed_optimized"]) == ("candidate", "yes")
+    assert s["speed_criterion"] == "throughput:candidate" and s["evidence_id"]
+    assert "x baseline on throughput:candidate's workload (needs *.ratio >= 0.2" in measured["line"]

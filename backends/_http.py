@@ -52,7 +52,11 @@ class HttpSession:
     def _fail(self, path: str, exc: Exception) -> BackendError:
         url = self.url(path)
         if isinstance(exc, httpx.ConnectError):
-            return BackendUnavailable(self.backend, url, "connection refused or host unreachable")
+            # Refused means the host said no one listens; anything else (a name that does not
+            # resolve, no route) says only that it cannot be reached from here.
+            refused = "refused" in str(exc).lower()
+            why = "connection refused" if refused else f"host unreachable: {exc}"
+            return BackendUnavailable(self.backend, url, why)
         if isinstance(exc, httpx.TimeoutException):
             return BackendTimeout(self.backend, url, f"no answer within {self.timeout:g}s")
         return BackendProtocolError(self.backend, url, f"{type(exc).__name__}: {exc}")

@@ -17,7 +17,7 @@ import httpx
 from kdctl.backends import Backend, HttpBackend
 from kdctl.backends.health import bearer
 from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import Baseline, GateResult, Metric, Verdict, content_hash, utcnow
+from kdctl.checks.result import Baseline, GateResult, Metric, content_hash, decide, utcnow
 from kdctl.errors import InputError, KdctlError
 
 MODEL = "{model}"  # replaced by each engine's own served model name
@@ -257,21 +257,37 @@ class ApiConformanceGate(Gate):
             )
         found = compare(want, got)
         held = [n for n, a in want.items() if a.get("status") is not None]
-        verdict: Verdict = "fail" if found else "pass"
+        unanswered = [n for n in want if n not in held]
+        metrics = [
+            Metric(name="probes", value=len(held)),
+            # With no answer of the baseline's to hold the candidate to, nothing was compared.
+            Metric(
+                name="nonconforming",
+                value=len(found) if held else None,
+                threshold=0,
+                comparison="==",
+            ),
+        ]
         reasons = [f"{len(held) - len(found)}/{len(held)} probes answered as {source}"]
         reasons += [f"{name}: {'; '.join(d[:4])}" for name, d in found.items()]
+        if unanswered:
+            reasons.append(
+                f"{len(unanswered)} of {len(want)} probes not compared: {baseline} did not "
+                f"answer them ({_first_error(want, unanswered)})"
+            )
         return GateResult(
             gate=self.name,
             backend=backend,
             baseline=baseline,
-            verdict=verdict,
-            metrics=[
-                Metric(name="probes", value=len(held)),
-                Metric(name="nonconforming", value=len(found), threshold=0, comparison="=="),
-            ],
+            verdict=decide(metrics),
+            metrics=metrics,
             reasons=reasons,
             provenance=provenance_of(ctx, backend, info, API_WORKLOAD),
             details={"baseline": want, "candidate": got, "differences": found},
             started_at=started,
             ended_at=utcnow(),
         )
+
+
+def _first_error(answers: dict[str, Any], names: list[str]) -> str:
+    return str(answers[names[0]].get("error") or "no answer")

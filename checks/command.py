@@ -9,7 +9,7 @@ import shlex
 from typing import Any
 
 from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import Comparison, GateResult, Metric, Verdict, utcnow
+from kdctl.checks.result import Comparison, GateResult, Metric, Verdict, decide, utcnow
 from kdctl.errors import KdctlError
 from kdctl.inventory.models import CommandCheck
 
@@ -30,8 +30,9 @@ def read_metrics(stdout: str) -> dict[str, Any]:
 
 def judge_check(
     name: str, check: CommandCheck, exit_code: int, stdout: str, stderr: str
-) -> tuple[list[Metric], list[str]]:
-    """Metrics named `<check>.<metric>` with their thresholds, and the reasons any failed."""
+) -> tuple[list[Metric], list[str], list[str]]:
+    """Metrics named `<check>.<metric>` with their thresholds, why the check failed, and which
+    thresholds it left unjudged (a metric it did not print, or printed as no number)."""
     reasons: list[str] = []
     if exit_code != 0:
         tail = " | ".join(stderr.strip().splitlines()[-3:])[:300]
@@ -42,17 +43,20 @@ def judge_check(
         reasons.append(f"{name}: {exc}")
         found = {}
     metrics = []
+    unmeasured = []
     for metric, (op, limit) in check.parsed().items():
         value = found.get(metric)
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            reasons.append(f"{name}: metric {metric!r} is missing or not a number")
-            value = None
         comparison: Comparison = op  # type: ignore[assignment]
         m = Metric(name=f"{name}.{metric}", value=value, threshold=limit, comparison=comparison)
-        if m.passed is False:
+        if m.unmeasured:
+            # Infinity is what a benchmark prints when it divides by a time of zero.
+            got = "missing" if metric not in found else f"{json.dumps(value)}, not a finite number"
+            unmeasured.append(f"{name}: metric {metric!r} is {got}: '{op} {limit:g}' not judged")
+            m = m.model_copy(update={"value": None})
+        elif m.passed is False:
             reasons.append(f"{name}: {metric} = {value} is not {op} {limit:g}")
         metrics.append(m)
-    return metrics, reasons
+    return metrics, reasons, unmeasured
 
 
 class CommandGate(Gate):
@@ -93,22 +97,25 @@ class CommandGate(Gate):
                 ctx.report(f"command {name}", 0, 1)
                 result = transport.run(argv, timeout=check.timeout_s)
                 ctx.report(f"command {name}", 1, 1)
-                got, why = judge_check(name, check, result.exit_code, result.stdout, result.stderr)
+                got, why, unjudged = judge_check(
+                    name, check, result.exit_code, result.stdout, result.stderr
+                )
                 metrics += got
                 problems += why
+                reasons += unjudged
                 details[name] = {
                     "command": " ".join(shlex.quote(a) for a in check.argv),
                     "exit_code": result.exit_code,
                     # Each check's own verdict: a roadmap criterion names one check.
-                    "verdict": "fail" if why else "pass",
+                    "verdict": decide(got, why),
                     "stdout_tail": result.stdout[-2000:],
                 }
-                if not why:
+                if details[name]["verdict"] == "pass":
                     reasons.append(f"{name}: every threshold holds")
         except KdctlError as exc:
             verdict, problems = "error", [*problems, str(exc)]
-        if verdict == "pass" and problems:
-            verdict = "fail"
+        if verdict == "pass":
+            verdict = decide(metrics, problems)
         return GateResult(
             gate=self.name,
             backend=backend,

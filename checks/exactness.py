@@ -15,7 +15,7 @@ from typing import Any
 
 from kdctl.backends import Backend, GenerateRequest
 from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import Baseline, GateResult, Metric, content_hash, utcnow
+from kdctl.checks.result import Baseline, GateResult, Metric, content_hash, decide, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory import local_path
 from kdctl.inventory.models import ExactnessSettings
@@ -136,7 +136,8 @@ def compare_prompt(cand: dict[str, Any], base: dict[str, Any], mode: str) -> dic
         "max_top_logprob_diff": round(worst, 6),
     }
     if first is None:
-        out["ok"] = True
+        # Two empty outputs agree on nothing: a prompt with no token compared is no match.
+        out["ok"] = end > 0
         return out
     c_tok = c_ids[first] if first < len(c_ids) else None
     b_tok = b_ids[first] if first < len(b_ids) else None
@@ -193,35 +194,31 @@ class ExactnessGate(Gate):
             raise InputError(f"the baseline has no output for prompts {missing[:5]}")
         compared = [compare_prompt(c, by_id[c["id"]], settings.mode) for c in cand_out]
         ok = sum(1 for c in compared if c["ok"])
-        exact = sum(1 for c in compared if c["first_divergence"] is None)
-        rate = ok / len(compared)
-        verdict = "pass" if rate >= settings.min_match_rate else "fail"
+        exact = sum(1 for c in compared if c["first_divergence"] is None and c["ok"])
+        rate = round(ok / len(compared), 4) if compared else None
         reasons = [
             f"{settings.mode}: {ok}/{len(compared)} prompts match ({exact} token for token), "
             f"against {source}; corpus {path.name}, {settings.max_new_tokens} tokens, "
             f"top-{settings.top_k}"
         ]
         for c in compared:
-            if not c["ok"]:
+            if not c["ok"] and c["first_divergence"] is None:
+                reasons.append(f"prompt {c['id']}: neither side produced a token to compare")
+            elif not c["ok"]:
                 reasons.append(
                     f"prompt {c['id']}: first divergence at token {c['first_divergence']}: "
                     f"candidate {c.get('candidate_token')} ({_lp(c.get('candidate_logprob'))}) vs "
                     f"baseline {c.get('baseline_token')} ({_lp(c.get('baseline_logprob'))})"
                 )
-        return GateResult(
-            gate=self.name,
-            backend=backend,
-            baseline=baseline,
-            verdict=verdict,
-            metrics=[
-                Metric(
-                    name="match_rate",
-                    value=round(rate, 4),
-                    threshold=settings.min_match_rate,
-                    comparison=">=",
-                ),
-                Metric(name="prompts", value=len(compared)),
-                Metric(name="exact_prompts", value=exact),
+        metrics = [
+            Metric(
+                name="match_rate", value=rate, threshold=settings.min_match_rate, comparison=">="
+            ),
+            Metric(name="prompts", value=len(compared)),
+            Metric(name="exact_prompts", value=exact),
+        ]
+        if compared:
+            metrics += [
                 Metric(
                     name="mean_matched_tokens",
                     value=round(sum(c["matched_tokens"] for c in compared) / len(compared), 2),
@@ -230,7 +227,13 @@ class ExactnessGate(Gate):
                     name="max_top_logprob_diff",
                     value=max(c["max_top_logprob_diff"] for c in compared),
                 ),
-            ],
+            ]
+        return GateResult(
+            gate=self.name,
+            backend=backend,
+            baseline=baseline,
+            verdict=decide(metrics),
+            metrics=metrics,
             reasons=reasons[:20],
             provenance=provenance_of(ctx, backend, info, workload),
             details={"mode": settings.mode, "corpus": str(path), "prompts": compared},

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from kdctl.backends import GenerateRequest
 from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import GateResult, Metric, utcnow
+from kdctl.checks.result import GateResult, Metric, Verdict, decide, utcnow
 from kdctl.errors import KdctlError
 
 
@@ -19,16 +19,16 @@ class HealthGate(Gate):
         started = utcnow()
         spec = ctx.inventory.backends[backend]
         reasons: list[str] = []
+        findings: list[str] = []
         metrics: list[Metric] = []
         info = None
-        verdict = "pass"
+        verdict: Verdict = "pass"
         try:
             with ctx.backend(backend) as be:
                 health = be.health()
                 metrics.append(Metric(name="health_latency_ms", value=health.latency_ms, unit="ms"))
                 if health.state != "up":
-                    verdict = "fail"
-                    reasons.append(f"health is {health.state}: {health.detail}")
+                    findings.append(f"health is {health.state}: {health.detail}")
                 else:
                     info = be.info()
                     one = be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1))
@@ -41,25 +41,36 @@ class HealthGate(Gate):
                         )
                     )
                     if one.completion_tokens != 1 or len(one.output_ids) != 1:
-                        verdict = "fail"
-                        reasons.append(
+                        findings.append(
                             f"a one-token generation returned {len(one.output_ids)} tokens"
                         )
-                    if spec.model and info.model and info.model != spec.model:
-                        verdict = "fail"
-                        reasons.append(f"serves {info.model}, the inventory says {spec.model}")
-                    if verdict == "pass":
-                        reasons.append(f"up, generates, serves {info.model or 'an unnamed model'}")
+                    if spec.model:
+                        # An engine that does not name its model has not shown it serves ours.
+                        same = None if not info.model else int(info.model == spec.model)
+                        metrics.append(
+                            Metric(name="model_matches", value=same, threshold=1, comparison="==")
+                        )
+                        if same == 0:
+                            findings.append(f"serves {info.model}, the inventory says {spec.model}")
+                        elif same is None:
+                            reasons.append(
+                                f"the engine does not say which model it serves; the inventory "
+                                f"says {spec.model}"
+                            )
         except KdctlError as exc:
             verdict = "error"
             reasons.append(str(exc))
+        if verdict != "error":
+            verdict = decide(metrics, findings)
+        if verdict == "pass" and info is not None:
+            reasons.append(f"up, generates, serves {info.model or 'an unnamed model'}")
         return GateResult(
             gate=self.name,
             backend=backend,
             baseline=None,
             verdict=verdict,
             metrics=metrics,
-            reasons=reasons,
+            reasons=findings + reasons,
             provenance=provenance_of(ctx, backend, info, None),
             started_at=started,
             ended_at=utcnow(),

@@ -46,6 +46,7 @@ def promotion_result(
     downtime_s: float | None = None,
 ) -> GateResult:
     """What a cutover or a rollback left the router doing, as evidence about `backend`."""
+    sent = sum(w.get("sent", 0) for w in watches)
     metrics = [
         Metric(
             name="weight",
@@ -54,12 +55,14 @@ def promotion_result(
             threshold=100,
             comparison=">=",
         ),
-        Metric(name="probe_requests", value=sum(w.get("sent", 0) for w in watches)),
+        Metric(name="probe_requests", value=sent),
+        # A cutover that sent no probe (blue-green has no watch) showed nothing about failures:
+        # no count, and no threshold to pass.
         Metric(
             name="probe_failed",
-            value=sum(w.get("failed", 0) for w in watches),
-            threshold=0,
-            comparison="==",
+            value=sum(w.get("failed", 0) for w in watches) if sent else None,
+            threshold=0 if sent else None,
+            comparison="==" if sent else None,
         ),
     ]
     if downtime_s is not None:

@@ -14,7 +14,15 @@ from typing import Any
 from kdctl.backends import Backend, GenerateRequest, HttpBackend
 from kdctl.checks._gate import Gate, GateContext, provenance_of
 from kdctl.checks.exactness import load_corpus, prompt_file
-from kdctl.checks.result import Baseline, GateResult, Metric, Verdict, content_hash, utcnow
+from kdctl.checks.result import (
+    Baseline,
+    GateResult,
+    Metric,
+    Verdict,
+    content_hash,
+    decide,
+    utcnow,
+)
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory.models import ThroughputSettings
 from kdctl.load import SLO, BenchMetrics, LoadPlan, Progress, run_load
@@ -175,15 +183,20 @@ def judge(
     points: list[BenchMetrics],
     base_points: list[BenchMetrics] | None,
 ) -> tuple[list[Metric], list[str], Verdict]:
-    """Every concurrency must hold the ratio and every SLO; with neither a baseline nor an SLO
-    there is nothing to decide on, which is inconclusive, never a pass."""
+    """Every concurrency must hold the ratio and every SLO. A run in which every request failed
+    measured nothing and fails; an SLO or ratio that could not be measured otherwise (no
+    baseline run to divide by, no second token to time) is inconclusive; and so is a run with
+    neither a baseline nor an SLO, which has nothing to be judged against. None is a pass."""
     pct = settings.slo_percentile
     metrics: list[Metric] = []
     reasons: list[str] = []
+    findings: list[str] = []
     decided = False
     base_by = {b.max_concurrency: b for b in base_points or []}
     for p in points:
         c = f"c{p.max_concurrency}"
+        at = f"concurrency {p.max_concurrency}"
+        none_ok = p.completed == 0
         metrics += [
             Metric(name=f"{c}.output_throughput", value=p.output_throughput, unit="tok/s"),
             Metric(name=f"{c}.request_throughput", value=p.request_throughput, unit="req/s"),
@@ -201,60 +214,79 @@ def judge(
         for stat in ("ttft", "itl", "tpot", "e2el"):
             s = getattr(p, f"{stat}_ms")
             metrics.append(Metric(name=f"{c}.median_{stat}_ms", value=s.p50, unit="ms"))
+        if none_ok:
+            # However many failures the settings allow, a run with no success has no figures.
+            findings.append(
+                f"{at}: {p.failed} of {p.requests} requests failed, so nothing was measured "
+                f"({'; '.join(p.errors[:3])})"
+            )
+        elif p.failed > settings.max_failed_requests:
+            findings.append(
+                f"{at}: {p.failed} of {p.requests} requests failed ({'; '.join(p.errors[:3])})"
+            )
         for stat, field in _SLOS:
             limit = getattr(settings, field)
             value = getattr(getattr(p, f"{stat}_ms"), pct)
-            metrics.append(
-                Metric(
-                    name=f"{c}.{pct}_{stat}_ms",
-                    value=value,
-                    unit="ms",
-                    threshold=limit,
-                    comparison="<=" if limit is not None else None,
-                )
+            m = Metric(
+                name=f"{c}.{pct}_{stat}_ms",
+                value=value,
+                unit="ms",
+                threshold=limit,
+                comparison="<=" if limit is not None else None,
             )
-            if limit is not None:
-                decided = True
-                if value is None or value > limit:
-                    reasons.append(
-                        f"concurrency {p.max_concurrency}: {pct} {stat.upper()} "
-                        f"{_ms(value)} breaks the SLO of {limit:g} ms"
-                    )
-        if p.failed > settings.max_failed_requests:
-            reasons.append(
-                f"concurrency {p.max_concurrency}: {p.failed}/{p.requests} requests failed "
-                f"({'; '.join(p.errors[:3])})"
-            )
-        if p.token_count_mismatches:
-            reasons.append(
-                f"concurrency {p.max_concurrency}: {p.token_count_mismatches} streams carried a "
-                "token count other than the server's usage"
-            )
-        if base_points is not None:
-            base = base_by.get(p.max_concurrency)
-            if base is None or base.output_throughput <= 0:
-                reasons.append(f"concurrency {p.max_concurrency}: the baseline has no usable run")
+            metrics.append(m)
+            if limit is None:
                 continue
             decided = True
-            ratio = round(p.output_throughput / base.output_throughput, 4)
-            metrics.append(
-                Metric(
-                    name=f"{c}.ratio", value=ratio, threshold=settings.min_ratio, comparison=">="
+            if m.passed is False:
+                findings.append(
+                    f"{at}: {pct} {stat.upper()} {value:.1f} ms breaks the SLO of {limit:g} ms"
                 )
-            )
-            word = "holds" if ratio >= settings.min_ratio else "is below"
+            elif m.unmeasured and not none_ok:
+                reasons.append(
+                    f"{at}: {pct} {stat.upper()} was not measured ({_unmeasured_why(stat)}), so "
+                    f"its SLO of {limit:g} ms could not be judged"
+                )
+        if p.token_count_mismatches:
             reasons.append(
-                f"concurrency {p.max_concurrency}: {p.output_throughput:.1f} tok/s against "
-                f"{base.output_throughput:.1f}, ratio {ratio:.3f} {word} {settings.min_ratio:g}"
+                f"{at}: {p.token_count_mismatches} streams carried a token count other than the "
+                "server's usage"
             )
-    failing = [m for m in metrics if m.passed is False]
-    if failing:
-        return metrics, reasons, "fail"
-    if not decided:
+        if base_points is None:
+            continue
+        decided = True
+        base = base_by.get(p.max_concurrency)
+        usable = base is not None and base.output_throughput > 0
+        ratio = round(p.output_throughput / base.output_throughput, 4) if base and usable else None
+        metrics.append(
+            Metric(name=f"{c}.ratio", value=ratio, threshold=settings.min_ratio, comparison=">=")
+        )
+        if base is None or not usable:
+            why = (
+                "has no run"
+                if base is None
+                else f"produced no tokens ({base.failed} of {base.requests} requests failed)"
+            )
+            reasons.append(f"{at}: the baseline {why}, so there is no ratio to judge")
+            continue
+        if none_ok:
+            continue
+        assert ratio is not None
+        word = "holds" if ratio >= settings.min_ratio else "is below"
+        line = (
+            f"{at}: {p.output_throughput:.1f} tok/s against {base.output_throughput:.1f}, "
+            f"ratio {ratio:.3f} {word} {settings.min_ratio:g}"
+        )
+        (reasons if word == "holds" else findings).append(line)
+    verdict = decide(metrics, findings)
+    if verdict == "pass" and not decided:
+        verdict = "inconclusive"
         reasons.append("no baseline and no SLO set: nothing to judge the figures against")
-        return metrics, reasons, "inconclusive"
-    return metrics, reasons, "pass"
+    return metrics, findings + reasons, verdict
 
 
-def _ms(value: float | None) -> str:
-    return "unmeasured" if value is None else f"{value:.1f} ms"
+def _unmeasured_why(stat: str) -> str:
+    return {
+        "ttft": "no request streamed a token",
+        "e2el": "no request completed",
+    }.get(stat, "no request streamed a second token")

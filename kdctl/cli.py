@@ -422,11 +422,17 @@ def gate_run(
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Run a gate and record its result. Exit 0 pass, 1 fail or inconclusive, 3 error."""
+    """Run a gate and record its result. Exit 0 pass, 1 fail or inconclusive, 3 error.
+    Without --baseline, gates that compare use the roadmap's serving backend."""
     from kdctl.gating import run_gates
+    from kdctl.readiness import default_baseline
     from kdctl.render import evidence_table, progress_bars
 
     inv = _load(inventory, state_dir)
+    if baseline is None:
+        baseline = default_baseline(inv, backend)
+        if baseline is not None and not json_:
+            err_print(f"comparing with {baseline}, the roadmap's serving backend (--baseline)")
     with _store_for(inv) as store, progress_bars(err, not json_) as progress:
         results = run_gates(
             inv,
@@ -594,15 +600,26 @@ def evidence_import(
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Add an export's results and baselines, all or none; a changed file is refused."""
+    """Add an export's results and baselines, all or none; a changed file is refused. Without
+    KDCTL_EVIDENCE_KEY the file is only checked for damage and is imported as unsigned."""
     from kdctl.evidence import import_evidence
 
-    with _store(inventory, state_dir) as store:
-        added, skipped = import_evidence(store, file)
+    inv = _load(inventory, state_dir, engines=False)
+    with _store_for(inv) as store:
+        done = import_evidence(store, file, require_signed=inv.spec.evidence.require_signed)
     if json_:
-        _print_json({"file": str(file), "added": added, "already_present": skipped})
-    else:
-        out.print(f"{file}: {added} record(s) added, {skipped} already present", markup=False)
+        _print_json({"file": str(file)} | done.model_dump())
+        return
+    trust = (
+        "signed (HMAC verified with KDCTL_EVIDENCE_KEY)"
+        if done.signed
+        else "unsigned: its digest shows it is intact, not who made it (set KDCTL_EVIDENCE_KEY "
+        "on both sides, and evidence.require_signed to refuse such files)"
+    )
+    out.print(
+        f"{file}: {done.added} record(s) added, {done.already_present} already present; {trust}",
+        markup=False,
+    )
 
 
 SandboxDirOpt = Annotated[

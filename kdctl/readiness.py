@@ -263,6 +263,16 @@ def _serving(
     return answer
 
 
+def default_baseline(inv: LoadedInventory, backend: str) -> str | None:
+    """What a gate compares with when no --baseline is given: the roadmap's serving backend,
+    the engine a candidate must match (None for that engine itself, or with no roadmap)."""
+    path = roadmap_path(inv)
+    if path is None:
+        return None
+    serving = load_roadmap(path, inv).spec.serving
+    return serving if serving != backend else None
+
+
 def run_criteria(
     inv: LoadedInventory,
     store: EvidenceStore,

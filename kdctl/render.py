@@ -289,6 +289,20 @@ def _value(m: Measured) -> str:
     return f"{m.metric} {value}"
 
 
+def _pins(pinned: dict[str, object]) -> str:
+    """The settings a criterion pins, compact: nested ones flattened to their leaves."""
+
+    def flat(prefix: str, value: object) -> list[str]:
+        if isinstance(value, dict):
+            return [x for k, v in value.items() for x in flat(f"{prefix}{k}.", v)]
+        if isinstance(value, list):
+            value = ",".join(map(str, value))
+        return [f"{prefix.rstrip('.')}={value}"] if value is not None else []
+
+    text = " ".join(flat("", pinned))
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def phases_table(report: PhaseReport) -> Group:
     head = Text(f"{report.title} ({report.roadmap}); target {report.target}", "bold")
     table = Table(title="Phases", title_justify="left")
@@ -299,7 +313,7 @@ def phases_table(report: PhaseReport) -> Group:
             _t(p.id), Text(p.status, _PHASE_STYLE[p.status]), f"{p.met}/{p.total}", _t(p.title)
         )
     unmet = Table(title="Unmet criteria", title_justify="left")
-    for col in ("phase", "criterion", "state", "threshold", "last measured", "age", "why"):
+    for col in ("phase", "criterion", "state", "threshold", "pins", "last measured", "age", "why"):
         unmet.add_column(col)
     for p in report.phases:
         for c in p.criteria:
@@ -312,6 +326,7 @@ def phases_table(report: PhaseReport) -> Group:
                 _t(c.name),
                 Text(c.state, _CRITERION_STYLE[c.state]),
                 _t(c.threshold),
+                _t(_pins(c.pinned)),
                 _t(measured),
                 age,
                 Text(c.reason[:160]),

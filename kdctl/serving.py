@@ -250,7 +250,12 @@ def _ask_front(
             detail=f"answered {route} in {latency:.0f} ms",
         )
     if isinstance(error, BackendUnavailable):
-        return FrontAnswer(url=url, route=route, answered=False, detail="refuses connections")
+        if "refused" in str(error):
+            return FrontAnswer(url=url, route=route, answered=False, detail="refuses connections")
+        # From here the router cannot be reached at all: whether it serves others is unknown.
+        return FrontAnswer(
+            url=url, route=route, answered=None, detail=f"cannot be reached from here ({error})"
+        )
     if isinstance(error, BackendTimeout):
         return FrontAnswer(
             url=url, route=route, answered=False, detail=f"did not answer within {timeout_s:g}s"

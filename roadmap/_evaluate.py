@@ -41,6 +41,9 @@ class CriterionStatus(BaseModel):
     baseline: str | None
     command: str | None = None
     settings: dict[str, Any] = {}
+    # Every setting a result must have been measured under to count (`settings` are the
+    # criterion's own overrides of the inventory's).
+    pinned: dict[str, Any] = {}
     # What it takes, in words: the thresholds a person checks.
     threshold: str
     met: bool
@@ -174,11 +177,13 @@ def evaluate_criterion(
 
 
 def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any]:
-    """The criterion's settings as the gate records them (validated, JSON), its keys only."""
-    if not c.spec.settings:
-        return {}
+    """Every setting the gate runs with for this criterion (the inventory's, with the
+    criterion's own overrides), as the gate records them: a criterion means its workload, so a
+    result under any other settings does not meet it. A command criterion pins its command."""
     recorded = gate_settings(with_settings(inv, c.gate, c.spec.settings), c.gate)
-    return {k: recorded[k] for k in c.spec.settings}
+    if c.spec.command is not None:
+        return {c.spec.command: recorded[c.spec.command]} if c.spec.command in recorded else {}
+    return recorded
 
 
 def _matches(c: ResolvedCriterion, r: GateResult, pinned: dict[str, Any]) -> bool:
@@ -261,6 +266,7 @@ def _criterion(
         "baseline": c.baseline,
         "command": c.spec.command,
         "settings": dict(c.spec.settings),
+        "pinned": pinned_settings(c, inv),
         "threshold": _threshold_text(c, result),
         "window_s": window.total_seconds(),
         "identity": "live" if identity and identity.live else "declared",
@@ -272,7 +278,7 @@ def _criterion(
             met=False,
             state="missing",
             reason=f"no {c.gate} result for {c.backend}{against}"
-            + (" with these settings" if c.spec.settings else ""),
+            + (" under the settings it pins" if base["pinned"] else ""),
         )
     evidence = {
         "evidence_id": result.id,

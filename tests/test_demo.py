@@ -29,13 +29,19 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path, need_nginx: str) -> None
     assert codes["kdctl cutover --to candidate-int4 --yes"] == 1, out[-3000:]
     assert codes["kdctl cutover --to candidate --watch 5 --yes"] == 0, out[-3000:]
     assert codes["kdctl rollback --yes"] == 0 and codes["kdctl sandbox down"] == 0, out[-3000:]
-    assert "Serving now: baseline at weight 100; speed-optimized: unmeasured" in out
+    assert re.search(
+        r"Serving now: baseline through nginx on 127\.0\.0\.1:8000 "
+        r"\(answered /generate in \d+ ms\)",
+        out,
+    )
+    assert "speed: the baseline." in out
     assert re.search(
         r"cutover to candidate-int4 refused: exact/exactness:candidate-int4: fail", out
     )
     assert "strict:" in out
     assert re.search(r"cutover \w+: succeeded; router now sends \{'candidate': 100\}", out)
-    assert "Serving now: candidate at weight 100" in out
+    assert re.search(r"Serving now: candidate through nginx on 127\.0\.0\.1:8000 \(answered", out)
+    assert "speed: " in out and "x baseline on throughput:candidate's workload" in out
     # The promotion the cutover recorded ends the last phase; the rollback's reopens it.
     assert "2. Phases remaining: none" in out
     assert re.search(r"promotion:candidate .* fail .* rolled back to", out)

@@ -139,8 +139,10 @@ def test_export_import_between_machines(tmp_path: Path) -> None:
     path = tmp_path / "evidence.json"
     path.write_text(doc.model_dump_json())
     laptop = EvidenceStore(tmp_path / "laptop.sqlite")
-    assert import_evidence(laptop, path) == (3, 0)
-    assert import_evidence(laptop, path) == (0, 3)  # importing twice changes nothing
+    first = import_evidence(laptop, path)
+    assert (first.added, first.already_present, first.signed) == (3, 0, False)
+    again = import_evidence(laptop, path)
+    assert (again.added, again.already_present) == (0, 3)  # importing twice changes nothing
     assert sorted(r.id for r in laptop.results()) == sorted(r.id for r in box.results())
 
 
@@ -202,7 +204,8 @@ def test_hmac_when_a_key_is_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "shared-secret")
     signed = tmp_path / "signed.json"
     signed.write_text(export_evidence(box).model_dump_json())
-    assert import_evidence(EvidenceStore(tmp_path / "ok.sqlite"), signed) == (1, 0)
+    done = import_evidence(EvidenceStore(tmp_path / "ok.sqlite"), signed, require_signed=True)
+    assert (done.added, done.signed) == (1, True)
     monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "another")
     with pytest.raises(InputError, match="HMAC does not verify"):
         import_evidence(EvidenceStore(tmp_path / "x.sqlite"), signed)
@@ -212,6 +215,9 @@ def test_hmac_when_a_key_is_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "shared-secret")
     with pytest.raises(InputError, match="carries no HMAC"):
         import_evidence(EvidenceStore(tmp_path / "y.sqlite"), unsigned)
+    monkeypatch.delenv("KDCTL_EVIDENCE_KEY")
+    with pytest.raises(InputError, match="requires signed evidence"):
+        import_evidence(EvidenceStore(tmp_path / "z.sqlite"), unsigned, require_signed=True)
 
 
 def test_evidence_cli(tmp_path: Path) -> None:
@@ -234,6 +240,20 @@ def test_evidence_cli(tmp_path: Path) -> None:
     )
     imported = kdctl("evidence", "import", str(out), "-i", str(other), "--json")
     assert imported.code == 0 and json.loads(imported.out)["added"] == 1
+    assert json.loads(imported.out)["signed"] is False
+    # Without a key, the import says what a digest proves: the file is intact, not who made it.
+    said = kdctl("evidence", "import", str(out), "-i", str(other))
+    assert said.code == 0 and "unsigned" in said.out, said.out
+    strict = write_inventory(
+        tmp_path / "strict.yaml",
+        {
+            "hosts": {"h": {"transport": "local"}},
+            "state_dir": "st3",
+            "evidence": {"require_signed": True},
+        },
+    )
+    refused = kdctl("evidence", "import", str(out), "-i", str(strict))
+    assert refused.code == 2 and "requires signed evidence" in refused.err, refused.err
     out.write_text(out.read_text().replace('"fail"', '"pass"'))
     refused = kdctl("evidence", "import", str(out), "-i", str(other))
     assert refused.code == 2 and "does not match its digest" in refused.err

@@ -74,12 +74,6 @@ BAD = [
         "unknown host 'bx' (known: box); did you mean 'box'?",
     ),
     (
-        "missing api key variable",
-        GOOD + "    api_key_env: KDCTL_TEST_UNSET_KEY\n",
-        13,
-        "backends.sglang.api_key_env: environment variable KDCTL_TEST_UNSET_KEY is not set",
-    ),
-    (
         "duplicate names",
         GOOD + "  sglang:\n    kind: openai\n    host: box\n",
         13,
@@ -173,6 +167,23 @@ def test_malformed_inventory_is_refused_with_line_and_field(
     assert "Traceback" not in run.err + run.out
     assert f"{path}:{line}:" in run.err, run.err
     assert needle in run.err, run.err
+
+
+def test_an_unset_api_key_variable_warns_at_check_and_refuses_where_kdctl_talks(
+    tmp_path: Path,
+) -> None:
+    """The variable is needed when kdctl talks to the engine, not to validate a file."""
+    path = tmp_path / "inventory.yaml"
+    path.write_text(GOOD + "    api_key_env: KDCTL_TEST_UNSET_KEY\n")
+    want = f"{path}:13: backends.sglang.api_key_env: environment variable KDCTL_TEST_UNSET_KEY"
+    check = kdctl("inventory", "check", "-i", str(path), "--json")
+    assert check.code == 0, check.err
+    assert f"warning: {want} is not set" in check.err
+    assert json.loads(check.out)["warnings"][0].startswith(f"{want} is not set")
+    for args in (("status",), ("gate", "run", "health", "-b", "sglang")):
+        run = kdctl(*args, "-i", str(path))
+        assert run.code == 2, (args, run.err)
+        assert f"{want} is not set" in run.err and "Traceback" not in run.err
 
 
 def test_a_secret_in_a_service_env_is_refused_without_echoing_it(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ def test_sandbox_up_reuse_and_down(tmp_path: Path, need_nginx: str) -> None:
         backends = {b["name"]: b["state"] for b in json.loads(status.out)["backends"]}
         assert backends == {"baseline": "up", "candidate": "up", "candidate-int4": "up"}
         assert json.loads(status.out)["traffic"]["weights"] == {"baseline": 100}
+        serving = json.loads(status.out)["answers"]["serving"]
+        assert (serving["state"], serving["backend"]) == ("serving", "baseline")
     finally:
         down = kdctl("sandbox", "down", "--dir", str(root), "--json")
     assert down.code == 0, down.err
@@ -66,7 +68,14 @@ def test_sandbox_with_sglang_router_cuts_over_blue_green(tmp_path: Path) -> None
         assert run.code == 0, run.out + run.err
         assert json.loads(run.out)["router"]["weights"] == {"candidate": 100}
         status = kdctl("status", "-i", inv, "--json")
-        assert json.loads(status.out)["answers"]["serving"]["backend"] == "candidate"
+        serving = json.loads(status.out)["answers"]["serving"]
+        # SGLang's router names no backend per answer: its one worker, healthy directly.
+        assert (serving["state"], serving["answered"], serving["backend"]) == (
+            "serving",
+            True,
+            "candidate",
+        )
+        assert serving["routed"]["weights"] == {"candidate": 100}
     finally:
         down = kdctl("sandbox", "down", "--dir", str(root), "--json")
     assert down.code == 0 and not any(p["running"] for p in json.loads(down.out)["processes"])

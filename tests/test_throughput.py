@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import SecretStr
 
 from kdctl.backends import GenerateRequest, HttpBackend, make_backend
@@ -117,6 +118,62 @@ def test_a_live_baseline_when_none_is_recorded_and_a_down_candidate(inventory: A
     code, result = gate(inv, "down", "--baseline", "baseline")
     assert code == 3 and result["verdict"] == "error"
     assert "connection refused" in result["reasons"][0]
+
+
+def test_a_run_whose_every_request_failed_fails_whatever_the_allowance(inventory: Any) -> None:
+    """Every request times out: no TTFT was measured, and an SLO on it is not met by default.
+    An allowance of failures as large as the run does not make a run with no success a pass."""
+    inv = inventory(slo_ttft_ms=60_000, max_failed_requests=1000, request_timeout_s=0.001)
+    code, result = gate(inv, "candidate")
+    assert code == 1 and result["verdict"] == "fail", result["reasons"]
+    for c in (1, 4):
+        assert any(
+            r.startswith(f"concurrency {c}: {PROMPTS} of {PROMPTS} requests failed, so nothing")
+            and "Timeout" in r
+            for r in result["reasons"]
+        ), result["reasons"]
+    metrics = {m["name"]: m for m in result["metrics"]}
+    assert metrics["c1.p99_ttft_ms"]["value"] is None
+    assert metrics["c1.p99_ttft_ms"]["threshold"] == 60_000
+
+
+def test_an_slo_that_could_not_be_measured_is_inconclusive(inventory: Any) -> None:
+    """One output token a request: every request succeeds, but there is no gap between tokens,
+    so an ITL SLO has nothing to judge, and the gate does not pass on it."""
+    inv = inventory(
+        workload={"input_len": 24, "output_len": 1, "concurrency": [2], "num_prompts": 4},
+        slo_itl_ms=60_000,
+    )
+    code, result = gate(inv, "candidate")
+    assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
+    (point,) = result["details"]["points"]
+    assert point["completed"] == 4 and point["failed"] == 0
+    assert (
+        "concurrency 2: p99 ITL was not measured (no request streamed a second token), so its "
+        "SLO of 60000 ms could not be judged"
+    ) in result["reasons"]
+
+
+def test_a_baseline_that_produced_nothing_gives_no_ratio_to_pass(
+    inventory: Any, keyed_server: Served
+) -> None:
+    """The baseline measured live answers every request 401 (its key is not given): there is no
+    throughput to divide by. An SLO the candidate meets does not make up for the missing ratio."""
+    inv = inventory(min_ratio=0.25, slo_e2el_ms=60_000)
+    data = yaml.safe_load(inv.read_text())
+    data["backends"]["keyed"] = {"kind": "sglang", "host": "local", "url": keyed_server.url}
+    write_inventory(inv, data)
+    code, result = gate(inv, "candidate", "--baseline", "keyed")
+    assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
+    metrics = {m["name"]: m for m in result["metrics"]}
+    for c in (1, 4):
+        assert metrics[f"c{c}.ratio"]["value"] is None
+        assert metrics[f"c{c}.ratio"]["threshold"] == 0.25
+        assert metrics[f"c{c}.p99_e2el_ms"]["value"] > 0
+        assert (
+            f"concurrency {c}: the baseline produced no tokens ({PROMPTS} of {PROMPTS} requests "
+            "failed), so there is no ratio to judge"
+        ) in result["reasons"]
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])

@@ -24,6 +24,7 @@ from kdctl.checks.tp_health import (
 from kdctl.probes.gpus import parse_compute_apps, parse_query_gpu
 from kdctl.probes.topology import parse_topo
 from tests.conftest import FIXTURES, kdctl, write_inventory
+from tests.support.sshd import SshdFleet
 
 pytest.importorskip("torch")
 H200 = FIXTURES / "nvidia-smi" / "h200-1gpu"
@@ -78,7 +79,8 @@ def tp_health(inv: Path, env: dict[str, str] | None = None) -> tuple[int, dict[s
 
 @pytest.mark.parametrize("ranks", [4, 8])
 def test_allreduce_on_gloo_across_cpu_ranks(tmp_path: Path, ranks: int, report: Any) -> None:
-    code, result = tp_health(inventory(tmp_path, tp=ranks))
+    env = {"NCCL_VERSION": "2.28.3-1", "NCCL_DEBUG": "WARN"}
+    code, result = tp_health(inventory(tmp_path, tp=ranks), env=env)
     assert code == 0 and result["verdict"] == "pass", result["reasons"]
     probe = result["details"]["allreduce"]
     assert (probe["backend"], probe["world"]) == ("gloo", ranks)
@@ -89,6 +91,9 @@ def test_allreduce_on_gloo_across_cpu_ranks(tmp_path: Path, ranks: int, report: 
     assert large["busbw_gbps"] == pytest.approx(
         large["algbw_gbps"] * 2 * (ranks - 1) / ranks, abs=2e-3
     )
+    assert small["timer"] == "wall-clock" and small["wall_us"] == small["time_us"]
+    # NCCL_VERSION is the CUDA image's label, not a setting: only the variables NCCL reads.
+    assert probe["env"].get("NCCL_DEBUG") == "WARN" and "NCCL_VERSION" not in probe["env"]
     assert any("has no GPUs" in r for r in result["reasons"])
     report(
         f"tp-health on gloo, {ranks} CPU ranks: busbw {large['busbw_gbps']} GB/s at 2 MiB, "
@@ -96,23 +101,16 @@ def test_allreduce_on_gloo_across_cpu_ranks(tmp_path: Path, ranks: int, report: 
     )
 
 
-def test_one_rank_judges_no_link(tmp_path: Path) -> None:
-    """With one rank nothing crosses a link: the small all-reduce times the launch of a no-op
-    (35 us on an idle H200 with NCCL, 57 us beside a busy engine), so an interconnect's
-    latency threshold does not apply, as bus bandwidth does not; the sums are still checked."""
-    env = {"NCCL_VERSION": "2.28.3-1", "NCCL_DEBUG": "WARN"}
-    code, result = tp_health(inventory(tmp_path, tp=1, max_small_latency_us=0.001), env=env)
-    assert code == 0 and result["verdict"] == "pass", result["reasons"]
-    # NCCL_VERSION is the CUDA image's label, not a setting: only the variables NCCL reads.
-    assert result["details"]["allreduce"]["env"].get("NCCL_DEBUG") == "WARN"
-    assert "NCCL_VERSION" not in result["details"]["allreduce"]["env"]
-    metrics = {m["name"]: m for m in result["metrics"]}
-    assert metrics["small_latency_us"]["value"] > 0.001
-    assert metrics["small_latency_us"]["threshold"] is None
-    assert metrics["allreduce_wrong_elements"]["value"] == 0
-    assert any("small-message latency is judged" in r for r in result["reasons"])
-    small = result["details"]["allreduce"]["points"][0]
-    assert small["timer"] == "wall-clock" and small["wall_us"] == small["time_us"]
+def test_one_rank_without_gpus_measures_nothing_and_says_so(tmp_path: Path) -> None:
+    """The sandbox's box: no GPU, one rank. No GPU rule applies and an all-reduce over one rank
+    crosses no link, so there is nothing to judge: skipped, saying why, never a pass with a bus
+    bandwidth of 0 GB/s."""
+    code, result = tp_health(inventory(tmp_path, tp=1))
+    assert result["verdict"] == "skipped" and code == 0, result["reasons"]
+    (reason,) = result["reasons"]
+    assert "box shows no GPUs and engine runs one rank" in reason
+    assert "no bus bandwidth or latency to measure" in reason
+    assert result["metrics"] == [] and "allreduce" not in result["details"]
 
 
 def test_a_rank_that_never_joins_trips_the_watchdog(tmp_path: Path) -> None:
@@ -235,22 +233,36 @@ def test_gpu_rules_on_the_live_idle_and_busy_captures() -> None:
 def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
     """The whole gate on the busy H200, with one rank as it ran there: GPU rules from the
     replayed nvidia-smi, the engines' memory, no Xid, and rank 0's NCCL report as the real
-    probe printed it (its host's python3 replayed). It passes, with its figures as measured."""
-    inv = inventory(tmp_path, tp=1, gpus=1, python=str(REPLAY / "allreduce-replay"))
+    probe printed it (its host's python3 replayed). It passes on what was measured there; over
+    one rank no link is crossed, so bus bandwidth is not measured (not 0 GB/s) and neither the
+    sums nor the latency of torch's no-op launch (57 us, against a 30 us budget for a link) is
+    judged."""
+    inv = inventory(
+        tmp_path,
+        tp=1,
+        gpus=1,
+        python=str(REPLAY / "allreduce-replay"),
+        max_small_latency_us=30,
+        min_busbw_gbps=35,
+    )
     code, result = tp_health(inv, env=_replay_env(BUSY))
     assert code == 0 and result["verdict"] == "pass", result["reasons"]
     metrics = {m["name"]: (m["value"], m["threshold"]) for m in result["metrics"]}
     assert metrics == {
         "new_xids": (0, 0),
         "gpus_visible": (1, None),
-        "allreduce_wrong_elements": (0, 0),
-        "busbw_gbps": (0.0, None),
+        "allreduce_wrong_elements": (0, None),
+        "busbw_gbps": (None, None),
         "small_latency_us": (57.131, None),  # torch's launch of a one-rank no-op
     }
     assert result["reasons"][0].startswith(
-        "all-reduce on nccl across 1 ranks: busbw 0.00 GB/s at 256 MiB, 57.1 us at 16 KiB, "
-        "0 wrong; NCCL 2.28.9"
+        "all-reduce on nccl on one rank: it runs, 57.1 us at 16 KiB; NCCL 2.28.9"
     )
+    assert result["reasons"][1] == (
+        "one rank: no link is crossed, so bus bandwidth was not measured, and neither the sums "
+        "nor the small-message latency is judged"
+    )
+    assert not any("GB/s" in r for r in result["reasons"])
     assert len(result["details"]["gpu_probe"]["processes"]) == 2
     small = result["details"]["allreduce"]["points"][0]
     assert (small["timer"], small["wall_us"]) == ("cuda-events", 89.248)
@@ -263,6 +275,53 @@ def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
     assert code == 1 and result["reasons"][0] == (
         "GPU 0: no process holds memory (is the engine running on this rank?)"
     )
+
+
+def test_a_kernel_log_it_cannot_read_is_not_taken_for_no_xids(fleet: SshdFleet) -> None:
+    """The busy H200 replayed behind a real sshd whose login is not root, with the kernel's own
+    dmesg (kernel.dmesg_restrict) and journalctl: neither lets it read the log. Every other
+    rule holds, but no new Xid is not shown, so the gate cannot pass."""
+    if Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() != "1":
+        pytest.skip("kernel.dmesg_restrict is off: the test login can read the kernel log")
+    # nvidia-smi replayed; dmesg and journalctl the system's own.
+    tools = fleet.root / "nvidia-smi-only"
+    tools.mkdir(exist_ok=True)
+    if not (tools / "nvidia-smi").exists():
+        (tools / "nvidia-smi").symlink_to(REPLAY / "nvidia-smi")
+    name = "gpu-restricted-log"
+    if name not in fleet.hosts:
+        fleet.add(
+            name,
+            env={
+                "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin",
+                "KDCTL_NVSMI_FIXTURES": str(BUSY),
+            },
+        )
+    inv = write_inventory(
+        fleet.root / "restricted-log.yaml",
+        {
+            "hosts": {"box": fleet.host_entry(name, gpus=1)},
+            "backends": {
+                "engine": {
+                    "kind": "sglang",
+                    "host": "box",
+                    "url": "http://127.0.0.1:9",
+                    "tp_size": 1,
+                    "gpus": [0],
+                }
+            },
+            "gates": {"tp_health": {"python": str(REPLAY / "allreduce-replay"), "timeout_s": 60}},
+            "state_dir": str(fleet.root / "restricted-log-state"),
+        },
+    )
+    code, result = tp_health(inv)
+    assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
+    metrics = {m["name"]: (m["value"], m["threshold"]) for m in result["metrics"]}
+    assert metrics["new_xids"] == (None, 0)
+    reasons = " | ".join(result["reasons"])
+    assert "dmesg: dmesg: read kernel buffer failed: Operation not permitted" in reasons
+    assert "new_xids was not measured: '== 0' could not be judged" in reasons
+    assert result["details"]["xid_lines"] == []
 
 
 def test_why_the_probe_failed_on_the_h200_when_a_rank_had_no_gpu() -> None:

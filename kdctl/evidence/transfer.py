@@ -61,7 +61,15 @@ def export_evidence(
     return doc
 
 
-def read_evidence_file(path: Path) -> EvidenceFile:
+class Imported(BaseModel):
+    added: int
+    already_present: int
+    # Verified with KDCTL_EVIDENCE_KEY; False means only a digest, which anyone who edits the
+    # file can compute again: it proves the file is intact, not who made it.
+    signed: bool
+
+
+def read_evidence_file(path: Path, *, require_signed: bool = False) -> EvidenceFile:
     """Parse and verify an export; every refusal names the file and what is wrong with it."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -86,6 +94,11 @@ def read_evidence_file(path: Path) -> EvidenceFile:
             "refusing it"
         )
     key = os.environ.get(ENV_KEY)
+    if require_signed and not key:
+        raise InputError(
+            f"{path}: the inventory requires signed evidence (evidence.require_signed) and "
+            f"{ENV_KEY} is not set to verify it; refusing it"
+        )
     if key:
         if doc.hmac_sha256 is None:
             raise InputError(f"{path}: {ENV_KEY} is set but the file carries no HMAC; refusing it")
@@ -94,6 +107,7 @@ def read_evidence_file(path: Path) -> EvidenceFile:
     return doc
 
 
-def import_evidence(store: EvidenceStore, path: Path) -> tuple[int, int]:
-    doc = read_evidence_file(path)
-    return store.merge(doc.results, doc.baselines, source=str(path))
+def import_evidence(store: EvidenceStore, path: Path, *, require_signed: bool = False) -> Imported:
+    doc = read_evidence_file(path, require_signed=require_signed)
+    added, skipped = store.merge(doc.results, doc.baselines, source=str(path))
+    return Imported(added=added, already_present=skipped, signed=doc.hmac_sha256 is not None)

@@ -410,10 +410,17 @@ class GateSettings(_Model):
     freshness: dict[str, Duration] = Field(default_factory=dict)
 
 
+class EvidenceSettings(_Model):
+    # Imports must carry an HMAC made with KDCTL_EVIDENCE_KEY: a bare digest proves only that
+    # the file is intact, since anyone can edit a result and compute the digest again.
+    require_signed: bool = False
+
+
 class Inventory(_Model):
     hosts: dict[Name, HostSpec]
     backends: dict[Name, BackendSpec] = Field(default_factory=dict)
     router: RouterSpec | None = None
     gates: GateSettings = GateSettings()
     roadmap: Path | None = None
+    evidence: EvidenceSettings = EvidenceSettings()
     state_dir: Path = Path("~/.local/state/kdctl")

@@ -372,3 +372,60 @@ def test_speed_comes_from_the_roadmaps_criterion_only(
     assert (s["backend"], s["speed_optimized"]) == ("candidate", "yes")
     assert s["speed_criterion"] == "throughput:candidate" and s["evidence_id"]
     assert "x baseline on throughput:candidate's workload (needs *.ratio >= 0.2" in measured["line"]
+
+
+def test_candidate_wedged_or_down_blocks_the_cutover_in_every_answer(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> None:
+    """The candidate's evidence passes; then its health route answers 503 (SGLang's answer
+    when its health generation times out) while it still describes itself, then it stops.
+    status, phases, report and their exit codes say no each time."""
+    wedge_port = free_port()
+    wedge_root = tmp_path / "wedge"
+
+    def wedge(health_503: bool) -> str:
+        health = "location = /health { return 503; }" if health_503 else ""
+        upstream = twin_server.url.removeprefix("http://")
+        return (
+            f"  server {{ listen 127.0.0.1:{wedge_port}; {health}\n"
+            f"    location / {{ proxy_pass http://{upstream}; }} }}\n"
+        )
+
+    pidfile = start_nginx(wedge_root, wedge(False), [wedge_port])
+    urls = {"baseline": reference_server.url, "candidate": f"http://127.0.0.1:{wedge_port}"}
+    (tmp_path / "front").mkdir()
+    front = Front(tmp_path / "front", need_nginx, urls)
+    front.start({"baseline": 100})
+    try:
+        inv = str(front.inv)
+        assert kdctl("gate", "run", "health", "-b", "candidate", "-i", inv).code == 0
+        ready = front.ask()
+        (wedge_root / "nginx.conf").write_text(
+            (wedge_root / "nginx.conf").read_text().replace(wedge(False), wedge(True))
+        )
+        subprocess.run(
+            [
+                need_nginx,
+                "-p",
+                str(wedge_root),
+                "-c",
+                str(wedge_root / "nginx.conf"),
+                "-s",
+                "reload",
+            ],
+            check=True,
+        )
+        time.sleep(0.5)
+        wedged = front.ask()
+        stop_nginx(pidfile)
+        down = front.ask()
+    finally:
+        stop_nginx(pidfile)
+        front.stop()
+    assert ready["cutover"] is True
+    for got in (wedged, down):
+        assert got["cutover"] is False
+        assert got["serving"]["backend"] == "baseline"
+    status = kdctl("status", "-i", str(front.inv), "--json", "--timeout", "2")
+    blocking = json.loads(status.out)["answers"]["cutover"]["blocking"]
+    assert any("candidate is not answering" in b for b in blocking), blocking

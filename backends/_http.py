@@ -12,6 +12,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
+from kdctl._limits import load_json
 from kdctl.backends.errors import (
     BackendAuthError,
     BackendError,
@@ -22,6 +23,10 @@ from kdctl.backends.errors import (
     BackendUnavailable,
 )
 from kdctl.backends.health import HealthResult, bearer, probe_health
+from kdctl.errors import InputError
+
+# One engine answer (a batch of generations with top-k logprobs): far below this.
+MAX_ANSWER_BYTES = 64 << 20
 
 
 class HttpSession:
@@ -108,7 +113,9 @@ class HttpSession:
     def json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         resp = self.request(method, path, body)
         try:
-            return resp.json()
+            return load_json(resp.content, self.url(path), max_bytes=MAX_ANSWER_BYTES)
+        except InputError as exc:
+            raise BackendProtocolError(self.backend, self.url(path), str(exc)) from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BackendProtocolError(
                 self.backend, self.url(path), f"answer is not JSON: {resp.text[:120]!r}"

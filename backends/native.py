@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 from pydantic import SecretStr, ValidationError
 
+from kdctl._limits import load_json
 from kdctl.backends._base import Backend
+from kdctl.backends._http import MAX_ANSWER_BYTES
 from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult
 from kdctl.backends.contract import (
     EXIT_BAD_REQUEST,
@@ -29,7 +31,7 @@ from kdctl.backends.contract import (
 from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult
 from kdctl.backends.sglang import SGLangBackend
-from kdctl.errors import KdctlError
+from kdctl.errors import InputError, KdctlError
 from kdctl.inventory import BackendSpec
 from kdctl.transports import Transport
 
@@ -103,7 +105,11 @@ class NativeCommandBackend(Backend):
                 transport.run(["rm", "-f", "--", remote_req, remote_resp], timeout=30)
         self.last_batch_s = time.monotonic() - started
         try:
-            response = ResponseFile.model_validate(json.loads(text))
+            response = ResponseFile.model_validate(
+                load_json(text, f"{self.where} response file", max_bytes=MAX_ANSWER_BYTES)
+            )
+        except InputError as exc:
+            raise BackendProtocolError(self.name, self.where, str(exc)) from None
         except (json.JSONDecodeError, ValidationError) as exc:
             raise BackendProtocolError(
                 self.name, self.where, f"response file breaks the contract: {_first(exc)}"

@@ -69,6 +69,16 @@ def engine_pair(baseline_url: str, candidate_url: str) -> dict[str, dict[str, An
     }
 
 
+def ssh_home(root: Path) -> dict[str, str]:
+    """A HOME holding the key and known_hosts files examples/ct200-8gpu.yaml names, which
+    `inventory check` requires to exist: the environment for commands run on that example."""
+    ssh = root / "home" / ".ssh"
+    ssh.mkdir(parents=True, exist_ok=True)
+    for name in ("id_ed25519", "known_hosts"):
+        (ssh / name).touch()
+    return {"HOME": str(root / "home")}
+
+
 def write_inventory(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

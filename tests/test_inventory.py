@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kdctl.errors import InputError
 from kdctl.inventory import load_inventory, resolve_inventory_path
-from tests.conftest import REPO, kdctl
+from tests.conftest import REPO, kdctl, ssh_home
 
 GOOD = """\
 hosts:
@@ -146,6 +148,42 @@ BAD = [
         "backends.sglang.service.env.HF_TOKEN.from_env: 'HF TOKEN' is not an environment",
     ),
     ("not a mapping", "- hosts\n- backends\n", 1, "must be a mapping"),
+    (
+        "roadmap that does not exist",
+        GOOD + "roadmap: roadmap/nope.yaml\n",
+        13,
+        "roadmap: roadmap/nope.yaml does not exist",
+    ),
+    (
+        "corpus that does not exist",
+        GOOD + "gates: {exactness: {corpus: prompts/nope.jsonl}}\n",
+        13,
+        "gates.exactness.corpus: prompts/nope.jsonl does not exist",
+    ),
+    (
+        "identity file that does not exist",
+        GOOD.replace("    user: ops\n", "    user: ops\n    identity_file: /nonexistent/id\n"),
+        5,
+        "hosts.box.identity_file: /nonexistent/id does not exist",
+    ),
+    (
+        "known_hosts that does not exist",
+        GOOD.replace("    user: ops\n", "    user: ops\n    known_hosts: /nonexistent/kh\n"),
+        5,
+        "hosts.box.known_hosts: /nonexistent/kh does not exist",
+    ),
+    (
+        "nested aliases",
+        "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n"
+            for p, n in zip("abcdefg", "bcdefgh", strict=True)
+        )
+        + "hosts: {h: {transport: local}}\n",
+        6,
+        "expands to more than 200,000 values (nested aliases?)",
+    ),
+    ("nesting too deep", "hosts: " + "[" * 100 + "]" * 100 + "\n", 1, "nested more than 64"),
     ("no hosts", "backends: {}\n", 1, "hosts: required field is missing"),
     (
         "bad listen",
@@ -232,11 +270,29 @@ def test_shipped_inventories_are_valid(tmp_path: Path) -> None:
         env={"SGLANG_API_KEY": "s3cret-sglang", "NATIVE_API_KEY": "s3cret-native"},
         cwd=REPO,
     )
+    # The key and known_hosts files it names are read by kdctl: checked at once.
+    assert run.code == 2
+    assert "examples/ct200-8gpu.yaml:9: hosts.ct200.identity_file: ~/.ssh/id_ed25519" in run.err
+    run = kdctl(
+        "inventory",
+        "check",
+        "-i",
+        "examples/ct200-8gpu.yaml",
+        env={
+            "SGLANG_API_KEY": "s3cret-sglang",
+            "NATIVE_API_KEY": "s3cret-native",
+            **ssh_home(tmp_path),
+        },
+        cwd=REPO,
+    )
     assert run.code == 0, run.err
     assert "NVIDIA RTX PRO 6000 Blackwell" in run.out
 
 
-def test_example_box_describes_the_team_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_example_box_describes_the_team_setup(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HOME", ssh_home(tmp_path)["HOME"])
     monkeypatch.setenv("SGLANG_API_KEY", "k1")
     monkeypatch.setenv("NATIVE_API_KEY", "k2")
     inv = load_inventory(REPO / "examples" / "ct200-8gpu.yaml")
@@ -309,3 +365,38 @@ def test_an_api_key_with_a_newline_is_refused_without_echoing_it(tmp_path: Path)
     assert ok.code == 0, (
         ok.err
     )  # a trailing newline, as `export K=$(cat file)` can leave, is stripped
+
+
+def test_bounded_input_is_refused_quickly(tmp_path: Path, report: Any) -> None:
+    """A few hundred bytes of nested aliases, JSON nested past any real export, and files past
+    their size bound: each a clear exit 2 naming the file, in well under a second of work."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(
+        "a: &a [x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n"
+            for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+        )
+        + "hosts: {h: {transport: local}, x: *i}\n"
+    )
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"kind": "kdctl-evidence", "results": ' + "[" * 5000 + "]" * 5000 + "}")
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("hosts: {h: {transport: local}}\n" + "# padding\n" * 200_000)
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("hosts: {h: {transport: local}}\nstate_dir: st\n")
+    cases = [
+        (("inventory", "check", "-i", str(bomb)), f"{bomb}:", "nested aliases"),
+        (("evidence", "import", str(deep), "-i", str(inv)), f"{deep}:", "nested more than 64"),
+        (("inventory", "check", "-i", str(huge)), f"{huge}:", "is more than the 1,048,576"),
+    ]
+    for args, where, why in cases:
+        started = time.monotonic()
+        run = kdctl(*args)
+        took = time.monotonic() - started
+        name = Path(where.rstrip(":")).name
+        report(f"bounded input: {' '.join(args[:2])} {name}: exit {run.code} in {took:.2f}s")
+        assert run.code == 2, run.err
+        assert where in run.err and why in run.err, run.err
+        assert "Traceback" not in run.err
+        assert took < 10, took

@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, Served, _need, engine_pair, kdctl, native_http, write_inventory
+from tests.conftest import (
+    REPO,
+    Served,
+    _need,
+    engine_pair,
+    kdctl,
+    native_http,
+    ssh_home,
+    write_inventory,
+)
 
 pytest.importorskip("torch")
 KEY = "sk-test-7f1e"
@@ -381,7 +390,11 @@ def _ct200_on_loopback(
 def test_ct200_roadmap_with_imported_evidence(
     tmp_path: Path, models: dict[str, Path], reference_server: Served, twin_server: Served
 ) -> None:
-    env = {"SGLANG_API_KEY": "sk-sglang-test", "NATIVE_API_KEY": "sk-native-test"}
+    env = {
+        "SGLANG_API_KEY": "sk-sglang-test",
+        "NATIVE_API_KEY": "sk-native-test",
+        **ssh_home(tmp_path),
+    }
     twin = _ct200_on_loopback(tmp_path, models, reference_server, twin_server)
     assert kdctl("baseline", "record", "-b", "sglang", "-i", str(twin), env=env).code == 0
     # The phases this machine can decide: tiny configs in command mode, the HTTP API, and

@@ -18,11 +18,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdctl import __version__
+from kdctl._limits import check_size, load_json
 from kdctl.checks.result import Baseline, GateResult, content_hash, utcnow
 from kdctl.errors import InputError
 from kdctl.evidence.store import EvidenceStore
 
 ENV_KEY = "KDCTL_EVIDENCE_KEY"
+# Golden outputs of a large corpus with top-k logprobs run to tens of megabytes; a gigabyte is
+# not an export.
+MAX_EXPORT_BYTES = 256 << 20
 FORMAT: Literal[1] = 1
 
 
@@ -72,7 +76,8 @@ class Imported(BaseModel):
 def read_evidence_file(path: Path, *, require_signed: bool = False) -> EvidenceFile:
     """Parse and verify an export; every refusal names the file and what is wrong with it."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        check_size(path.stat().st_size, MAX_EXPORT_BYTES, str(path))
+        raw = load_json(path.read_text(encoding="utf-8"), str(path), max_bytes=MAX_EXPORT_BYTES)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:

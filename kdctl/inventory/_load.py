@@ -113,7 +113,7 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
         raise InputError(format_problems(doc, pydantic_problems(exc))) from None
 
     base = path.parent
-    problems = list(_cross_check(spec, base))
+    problems = list(_cross_check(spec, base)) + list(_missing_files(spec, base))
     if problems:
         raise InputError(format_problems(doc, problems))
 
@@ -183,6 +183,45 @@ def resolve_service_env(
     if missing:
         raise InputError("\n".join(missing))
     return values
+
+
+def _missing_files(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
+    """Every file the inventory names that kdctl itself reads must be there now, not only when
+    a later command opens it."""
+    from importlib.resources import files
+
+    def shipped(kind: str, name: str) -> bool:
+        folder = files("kdctl.roadmap")
+        return (
+            (folder.joinpath("prompts") if kind == "prompts" else folder).joinpath(name).is_file()
+        )
+
+    if spec.roadmap is not None:
+        found = local_path(spec.roadmap, base).is_file() or shipped("roadmap", spec.roadmap.name)
+        if not found:
+            yield ("roadmap",), f"{spec.roadmap} does not exist (nor is it a shipped roadmap)"
+    prompt_files = [
+        (("gates", "exactness", "corpus"), spec.gates.exactness.corpus),
+        (("gates", "throughput", "workload", "prompts"), spec.gates.throughput.workload.prompts),
+    ]
+    for at, named in prompt_files:
+        if named is None:
+            continue
+        if not (local_path(named, base).is_file() or shipped("prompts", named.name)):
+            yield at, f"{named} does not exist (nor is it a shipped corpus)"
+    for name, host in spec.hosts.items():
+        if host.transport != "ssh":
+            continue
+        if host.identity_file is not None and not local_path(host.identity_file, base).is_file():
+            yield ("hosts", name, "identity_file"), f"{host.identity_file} does not exist"
+        known = local_path(host.known_hosts, base)
+        # accept-new may create the file on the first connection; its folder must exist. The
+        # default file is OpenSSH's, which a fresh machine lacks until its first connection:
+        # only a file the inventory names is held to exist.
+        creatable = host.host_key_policy == "accept-new" and known.parent.is_dir()
+        named = "known_hosts" in host.model_fields_set
+        if named and not known.is_file() and not creatable:
+            yield ("hosts", name, "known_hosts"), f"{host.known_hosts} does not exist"
 
 
 def _key_problems(

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from kdctl._limits import MAX_CONFIG_BYTES, check_size, check_yaml_nodes
 from kdctl.errors import InputError
 
 Loc = tuple[str | int, ...]
@@ -68,11 +69,14 @@ class _StrictLoader(yaml.SafeLoader):
 
 def parse(text: str, source: str) -> Document:
     """Parse one YAML document; syntax errors become InputError naming file, line and column."""
+    check_size(len(text.encode()), MAX_CONFIG_BYTES, source)
     try:
         loader = _StrictLoader(text)
         loader.name = source
         try:
             root = loader.get_single_node()
+            # Before construction: a tree of nested aliases is refused before anything walks it.
+            check_yaml_nodes(root, source)
             data = loader.construct_document(root) if root is not None else None
         finally:
             loader.dispose()
@@ -90,6 +94,7 @@ def read_mapping(path: Path, what: str, shape: str) -> Document:
     line): `what` is the kind of file, `shape` what its top level must hold."""
     source = str(path)
     try:
+        check_size(path.stat().st_size, MAX_CONFIG_BYTES, source)
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(f"{source}: no such {what} file") from None

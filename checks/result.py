@@ -10,7 +10,13 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 Verdict = Literal["pass", "fail", "inconclusive", "error", "skipped"]
 Comparison = Literal[">=", "<=", ">", "<", "=="]
@@ -97,6 +103,26 @@ class Provenance(BaseModel):
     tp_size: int | None = None
     workload_hash: str | None = None
     kdctl_version: str | None = None
+    # What really answered, read on its host: a fingerprint of the checkpoint files the engine
+    # serves, and the host's own identity (machine id, GPU serials), not its inventory name.
+    weights: str | None = None
+    host_id: str | None = None
+    # The same of the baseline a comparing gate measured against.
+    baseline_weights: str | None = None
+    baseline_host_id: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _bound_fields_when_known(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Results recorded before these fields existed keep their exact serialization, so
+        # their digests (exports, the store) still verify.
+        data = handler(self)
+        for key in _BOUND:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id")
 
 
 class GateResult(BaseModel):

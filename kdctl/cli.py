@@ -367,8 +367,14 @@ def inventory_check(
 ) -> None:
     """Validate the inventory (exit 2 naming file, line and field) and summarise it."""
     from kdctl.render import inventory_summary
+    from kdctl.roadmap import load_roadmap, roadmap_path
 
     inv = _load(inventory, state_dir, engines=False)
+    # The roadmap it names is checked too: a phase naming an unknown backend is this file's
+    # problem as much as the roadmap's.
+    chosen = roadmap_path(inv)
+    if chosen is not None:
+        load_roadmap(chosen, inv)
     for warning in inv.warnings:
         err_print(f"warning: {warning}")
     if json_:

@@ -23,7 +23,8 @@ from kdctl.checks.throughput import record_throughput
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
-from kdctl.transports import TransportPool, fan_out
+from kdctl.probes.identity import probe_host_identity, probe_weights
+from kdctl.transports import Transport, TransportPool, fan_out
 
 
 @contextmanager
@@ -77,7 +78,16 @@ def run_gates(
         else [gate_class(gate).name]
     )
     results = []
+    identified: dict[str, Identity] = {}
+
+    def baseline_identity(name: str) -> Identity:
+        if name not in identified:
+            identified.update(identify_backends(inv, {name}))
+        return identified[name]
+
     with gate_context(inv, store, progress) as ctx:
+        assert ctx.transport is not None
+        binder = Binder(inv, ctx.transport)
         for name in names:
             cls = gate_class(name)
             if on_start:
@@ -95,6 +105,11 @@ def run_gates(
             else:
                 result = cls().run(ctx, backend, baseline)
             result.settings = gate_settings(inv, name)
+            result.provenance = binder.bind(backend, result.provenance)
+            if result.baseline is not None:
+                result.provenance = binder.bind_baseline(
+                    result.provenance, baseline_identity(result.baseline).provenance
+                )
             store.record(result)
             results.append(result)
     return results
@@ -119,8 +134,11 @@ def record_baseline(
     recorders = {"golden": record_golden, "throughput": record_throughput, "api": record_api}
     recorded = []
     with gate_context(inv, store, progress) as ctx:
+        assert ctx.transport is not None
+        binder = Binder(inv, ctx.transport)
         for kind in kinds:
             baseline = recorders[kind](ctx, backend)
+            baseline.provenance = binder.bind(backend, baseline.provenance)
             store.record_baseline(baseline)
             recorded.append(baseline)
     return recorded
@@ -135,6 +153,43 @@ def record_signoff(
         result = sign_off(ctx, backend, by, note)
     store.record(result)
     return result
+
+
+class Binder:
+    """Reads, once per host and checkpoint, what a provenance is bound to: the host's own
+    identity and the fingerprint of the weights at the model path it names."""
+
+    def __init__(self, inv: LoadedInventory, transport: Callable[[str], Transport]) -> None:
+        self.inv = inv
+        self.transport = transport
+        self._hosts: dict[str, str | None] = {}
+        self._weights: dict[tuple[str, str], str | None] = {}
+
+    def host_id(self, host: str) -> str | None:
+        if host not in self._hosts:
+            self._hosts[host] = probe_host_identity(self.transport(host))
+        return self._hosts[host]
+
+    def weights(self, host: str, path: str | None) -> str | None:
+        if path is None:
+            return None
+        if (host, path) not in self._weights:
+            self._weights[(host, path)] = probe_weights(self.transport(host), path)
+        return self._weights[(host, path)]
+
+    def bind(self, name: str, prov: Provenance) -> Provenance:
+        host = self.inv.backends[name].host
+        return prov.model_copy(
+            update={
+                "weights": self.weights(host, prov.model_path),
+                "host_id": self.host_id(host),
+            }
+        )
+
+    def bind_baseline(self, prov: Provenance, baseline: Provenance) -> Provenance:
+        return prov.model_copy(
+            update={"baseline_weights": baseline.weights, "baseline_host_id": baseline.host_id}
+        )
 
 
 @dataclass(frozen=True)
@@ -155,6 +210,7 @@ def identify_backends(
     wanted = sorted(set(names))
     _check_names(inv, *wanted)
     with TransportPool(inv) as pool:
+        binder = Binder(inv, pool.get)
 
         def ask(name: str) -> Identity:
             spec = inv.backends[name]
@@ -171,7 +227,7 @@ def identify_backends(
                     health = be.health() if isinstance(be, HttpBackend) else None
                     if health is not None and health.state != "up":
                         return Identity(
-                            provenance_for(inv, name, None, None),
+                            binder.bind(name, provenance_for(inv, name, None, None)),
                             live=False,
                             note=f"{name} is not ready ({health.detail or health.state}); "
                             "held to the inventory",
@@ -179,11 +235,11 @@ def identify_backends(
                     info = be.info()
             except KdctlError as exc:
                 return Identity(
-                    provenance_for(inv, name, None, None),
+                    binder.bind(name, provenance_for(inv, name, None, None)),
                     live=False,
                     note=f"{name} did not say what it serves ({exc}); held to the inventory",
                 )
-            return Identity(provenance_for(inv, name, info, None), live=True)
+            return Identity(binder.bind(name, provenance_for(inv, name, info, None)), live=True)
 
         outcomes = fan_out(ask, wanted, max_workers=8, deadline_s=timeout_s + 5)
     found = {}

@@ -12,7 +12,7 @@ from kdctl.backends import EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
 from kdctl.checks._gate import provenance_for
 from kdctl.errors import KdctlError
-from kdctl.gating import Identity
+from kdctl.gating import Binder, Identity
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.probes import (
     GpuProbe,
@@ -166,6 +166,7 @@ def collect_status(
     identities: dict[str, Identity] = {}
     healths: dict[str, HealthResult] = {}
     with TransportPool(inventory) as pool, httpx.Client() as client:
+        binder = Binder(inventory, pool.get)
 
         def host_probe(name: str) -> _HostFacts:
             spec = inventory.hosts[name]
@@ -211,10 +212,10 @@ def collect_status(
             if health.state == "up":
                 info = _identify(status, spec, name, api_key, client, timeout=min(deadline_s, 10.0))
             identities[name] = (
-                Identity(provenance_for(inventory, name, info, None), live=True)
+                Identity(binder.bind(name, provenance_for(inventory, name, info, None)), live=True)
                 if info is not None
                 else Identity(
-                    provenance_for(inventory, name, None, None),
+                    binder.bind(name, provenance_for(inventory, name, None, None)),
                     live=False,
                     note=(
                         f"{name} did not say what it serves ({status.detail or health.state}); "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, Literal
 
@@ -108,12 +109,15 @@ def evaluate(
     found = {
         (c.phase, c.name): _newest_match(c, inv, store) for cs in resolved.values() for c in cs
     }
+    with_evidence = [c for cs in resolved.values() for c in cs if found[(c.phase, c.name)]]
     identities = identify(
-        {c.backend for cs in resolved.values() for c in cs if found[(c.phase, c.name)]}
+        {c.backend for c in with_evidence}
+        | {c.baseline for c in with_evidence if c.baseline is not None}
     )
     criteria: dict[str, list[CriterionStatus]] = {
         phase_id: [
-            _criterion(c, inv, found[(c.phase, c.name)], identities.get(c.backend), now) for c in cs
+            _criterion(c, inv, found[(c.phase, c.name)], _bound_identity(c, identities), now)
+            for c in cs
         ]
         for phase_id, cs in resolved.items()
     }
@@ -172,8 +176,24 @@ def evaluate_criterion(
     """One criterion, judged as `evaluate` judges it inside its phase."""
     now = now or utcnow()
     result = _newest_match(c, inv, store)
-    identity = identify({c.backend}).get(c.backend) if result is not None else None
+    names = {c.backend} | ({c.baseline} if c.baseline else set())
+    identity = _bound_identity(c, identify(names)) if result is not None else None
     return _criterion(c, inv, result, identity, now)
+
+
+def _bound_identity(c: ResolvedCriterion, identities: Mapping[str, Identity]) -> Identity | None:
+    """The backend's identity now, with its baseline's weights and host beside it: a result
+    measured against another baseline than the one there now does not count."""
+    mine = identities.get(c.backend)
+    if mine is None or c.baseline is None or c.baseline not in identities:
+        return mine
+    base = identities[c.baseline].provenance
+    return replace(
+        mine,
+        provenance=mine.provenance.model_copy(
+            update={"baseline_weights": base.weights, "baseline_host_id": base.host_id}
+        ),
+    )
 
 
 def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any]:

@@ -8,7 +8,22 @@ from datetime import datetime, timedelta
 from kdctl.checks.result import GateResult, Provenance, utcnow
 
 # The fields that say "this is the same engine on the same model and hardware".
-_IDENTITY = ("engine_version", "model_path", "config_hash", "host", "gpus", "tp_size")
+_IDENTITY = (
+    "engine_version",
+    "model_path",
+    "config_hash",
+    "host",
+    "gpus",
+    "tp_size",
+    "host_id",
+    "weights",
+    "baseline_host_id",
+    "baseline_weights",
+)
+# Read on the host, never declared: a result that has them is held to them even when the
+# engine does not answer, and one recorded without a fingerprint, where one can be read now,
+# cannot say that what it measured is what is there.
+_BOUND = ("weights", "baseline_weights")
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,9 @@ def freshness(
     changed = []
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
+        if name in _BOUND and then is None and now_value is not None:
+            changed.append(f"{name}: recorded without a fingerprint, now {now_value}")
+            continue
         if then in (None, []):
             continue
         if now_value in (None, []) and not live:

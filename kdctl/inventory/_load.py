@@ -219,8 +219,8 @@ def _missing_files(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
         # default file is OpenSSH's, which a fresh machine lacks until its first connection:
         # only a file the inventory names is held to exist.
         creatable = host.host_key_policy == "accept-new" and known.parent.is_dir()
-        named = "known_hosts" in host.model_fields_set
-        if named and not known.is_file() and not creatable:
+        chosen = "known_hosts" in host.model_fields_set
+        if chosen and not known.is_file() and not creatable:
             yield ("hosts", name, "known_hosts"), f"{host.known_hosts} does not exist"
 
 

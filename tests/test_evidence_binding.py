@@ -1,0 +1,136 @@
+"""Evidence bound to what was measured: weights replaced under the same path, and a criterion's
+workload. Reference servers on loopback; status, phases, report and their exit codes agree."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import Served, engine_pair, kdctl, serve_reference, write_inventory
+
+pytest.importorskip("torch")
+
+ROADMAP = {
+    "title": "Binding test",
+    "serving": "baseline",
+    "candidate": "candidate",
+    "phases": [
+        {
+            "id": "exact",
+            "title": "Greedy-exact",
+            "criteria": [
+                {
+                    "gate": "exactness",
+                    "settings": {"mode": "strict"},
+                    "require": {"match_rate": ">= 1.0"},
+                }
+            ],
+        },
+        {
+            "id": "cutover",
+            "title": "Cutover",
+            "depends_on": ["exact"],
+            "criteria": [{"name": "soak", "gate": "sign-off"}],
+        },
+    ],
+}
+
+
+def _answers(inv: Path, tmp: Path) -> dict[str, Any]:
+    status = kdctl("status", "-i", str(inv), "--json", "--timeout", "5")
+    phases = kdctl("phases", "-i", str(inv), "--json")
+    report = kdctl("report", "-i", str(inv), "-o", str(tmp / "report"), "--json")
+    can = [
+        json.loads(status.out)["answers"]["cutover"]["can_cut_over"],
+        json.loads(phases.out)["answers"]["cutover"]["can_cut_over"],
+        json.loads(report.out)["answers"]["cutover"]["can_cut_over"],
+    ]
+    assert len(set(can)) == 1, can
+    assert phases.code == report.code == (0 if can[0] else 1)
+    criterion = json.loads(phases.out)["phases"][0]["criteria"][0]
+    return {"can": can[0], "criterion": criterion}
+
+
+def test_weights_replaced_under_the_same_path_make_old_evidence_stale(
+    tmp_path: Path, models: dict[str, Path], reference_server: Served
+) -> None:
+    path = tmp_path / "weights" / "candidate"
+    shutil.copytree(models["dsv3"], path)
+    candidate = serve_reference(path)
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": engine_pair(reference_server.url, candidate.url),
+            "gates": {"exactness": {"max_new_tokens": 8, "top_k": 3}},
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    try:
+        ran = kdctl("phases", "--run", "-i", str(inv), "--json")
+        assert ran.code == 0, ran.out + ran.err
+        before = _answers(inv, tmp_path)
+        assert before["can"] is True and before["criterion"]["state"] == "pass"
+        listed = kdctl("evidence", "list", "--gate", "exactness", "--json", "-i", str(inv))
+        recorded = json.loads(listed.out)["results"][0]["provenance"]
+        assert recorded["weights"] and recorded["host_id"] and recorded["baseline_weights"]
+
+        # Other weights under the same path, the engine restarted on them: its model path,
+        # version and every declared field are what they were.
+        candidate.proc.terminate()
+        candidate.proc.wait(10)
+        shutil.rmtree(path)
+        shutil.copytree(models["dsv3-int4"], path)
+        candidate = serve_reference(path)
+        inv.write_text(inv.read_text().replace(candidate_url_of(inv), candidate.url))
+        after = _answers(inv, tmp_path)
+        assert after["can"] is False
+        c = after["criterion"]
+        assert c["state"] == "stale" and "weights" in c["reason"], c
+        # Unmet, so `phases --run` measures it again, and the new weights fail it.
+        rerun = kdctl("phases", "--run", "-i", str(inv), "--json")
+        assert rerun.code == 1, rerun.out + rerun.err
+        c = json.loads(rerun.out)["phases"][0]["criteria"][0]
+        assert c["state"] == "fail" and "prompts match" in c["reason"], c
+    finally:
+        candidate.proc.terminate()
+        candidate.proc.wait(10)
+
+
+def candidate_url_of(inv: Path) -> str:
+    return str(yaml.safe_load(inv.read_text())["backends"]["candidate"]["url"])
+
+
+def test_a_result_under_other_settings_does_not_meet_a_criterion(
+    tmp_path: Path, reference_server: Served, twin_server: Served
+) -> None:
+    """The criterion pins every setting of the gate as the inventory gives it: an exactness run
+    of one token, from an inventory edited for the occasion, passes but completes nothing."""
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    data = {
+        "hosts": {"local": {"transport": "local"}},
+        "backends": engine_pair(reference_server.url, twin_server.url),
+        "gates": {"exactness": {"max_new_tokens": 8, "top_k": 3}},
+        "roadmap": "roadmap.yaml",
+        "state_dir": "state",
+    }
+    inv = write_inventory(tmp_path / "inv.yaml", data)
+    data["gates"]["exactness"]["max_new_tokens"] = 1
+    shortcut = write_inventory(tmp_path / "shortcut.yaml", data)
+    golden = kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", str(shortcut))
+    assert golden.code == 0, golden.err
+    run = kdctl("gate", "run", "exactness", "-b", "candidate", "-i", str(shortcut))
+    assert run.code == 0, run.out + run.err
+    assert "comparing with baseline, the roadmap's serving backend" in run.err
+    got = _answers(inv, tmp_path)
+    assert got["can"] is False
+    c = got["criterion"]
+    assert c["state"] == "missing" and "under the settings it pins" in c["reason"], c
+    assert c["pinned"]["max_new_tokens"] == 8 and c["pinned"]["mode"] == "strict"

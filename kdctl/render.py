@@ -104,6 +104,8 @@ def status_tables(report: StatusReport) -> Group:
         where = t.detail or f"from {t.source}"
         traffic = Text(f"Traffic: {t.router} on {t.router_host} ({t.listen}): configured to send ")
         traffic.append(f"{split} ({where})")
+        if t.applied is False:
+            traffic.append("; WRITTEN, NOT APPLIED: nginx runs what it last loaded", "yellow")
         if t.front is not None:
             f = t.front
             said = f"{f.detail}" + (f", from {f.backend}" if f.backend else "")

@@ -48,6 +48,9 @@ class Routed(BaseModel):
     weights: dict[str, int] = {}
     source: str | None = None
     draining: bool = False
+    # False: the file was written and never applied, so the router still runs what it last
+    # loaded; null: the router keeps no record to compare with.
+    applied: bool | None = None
     error: str | None = None
 
 
@@ -144,6 +147,7 @@ def probe_serving(
                 if spec.kind != "nginx"
                 else f"{state.source} (the configuration file: intended weights)",
                 draining=state.draining,
+                applied=state.applied,
             )
             router_front = router.front_url
         weighted = {n: w for n, w in routed.weights.items() if w > 0 and n in inv.backends}
@@ -168,7 +172,7 @@ def _service_text(svc: ServiceState) -> str:
     return f"{svc.kind}: {svc.detail or svc.state}"
 
 
-def _front_key(inv: LoadedInventory, weighted: Mapping[str, int]) -> SecretStr | None:
+def front_api_key(inv: LoadedInventory, weighted: Mapping[str, int]) -> SecretStr | None:
     """The front door's own key where the router needs one, else the key of the backend the
     router weights most (nginx passes the header through to it)."""
     spec = inv.spec.router
@@ -200,7 +204,7 @@ def _ask_front(
 
     speaker = max(weighted.items(), key=lambda kv: kv[1])[0] if weighted else None
     speaker = speaker or next((e.name for e in engines), None)
-    key = _front_key(inv, weighted)
+    key = front_api_key(inv, weighted)
     started = time.monotonic()
     route = "/generate"
     with httpx.Client(event_hooks={"response": [keep]}) as hooked:
@@ -382,6 +386,14 @@ def _judge(
     notes = [f"{e.name} (weight {e.weight}) is {_engine_words(e)}" for e in broken]
     if routed.error:
         notes.append(f"the router's weights were not read back ({routed.error})")
+    if routed.applied is False:
+        split = ", ".join(f"{n} {w}%" for n, w in routed.weights.items())
+        notes.insert(
+            0,
+            f"the router's configuration file ({split}) is written, not applied: {kind} still "
+            "runs the configuration it last loaded (kdctl cutover --resume applies it, kdctl "
+            "rollback undoes it)",
+        )
     notes += [f"{e.name} is up and receives no traffic" for e in idle_up]
     base = {
         "router": kind,

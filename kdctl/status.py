@@ -70,6 +70,8 @@ class TrafficStatus(BaseModel):
     weights: dict[str, int] = {}
     source: str | None = None
     draining: bool = False
+    # False: the configuration was written and not applied (see ServingProbe.routed).
+    applied: bool | None = None
     detail: str | None = None
     front: FrontAnswer | None = None
     # The journal's cutover that has not finished, if any: id, from, to, strategy, steps done.
@@ -316,10 +318,11 @@ def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> Traffic
         front=serving.front,
     )
     if routed is not None:
-        traffic.weights, traffic.source, traffic.draining = (
+        traffic.weights, traffic.source, traffic.draining, traffic.applied = (
             routed.weights,
             routed.source,
             routed.draining,
+            routed.applied,
         )
         if routed.error:
             traffic.detail = f"router not read back ({routed.error})"

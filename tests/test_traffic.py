@@ -544,9 +544,13 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
                 subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], check=False)
 
 
-def test_sigkill_after_each_journal_step_then_resume_or_rollback(front: dict[str, Any]) -> None:
-    """kdctl killed with SIGKILL right after each journal row in turn; `--resume` (odd rounds)
-    or `rollback` (even rounds) must leave the router matching the journal's last word."""
+def test_sigkill_after_each_journal_step_then_resume_or_rollback(
+    front: dict[str, Any], report: Any
+) -> None:
+    """kdctl killed with SIGKILL right after each journal row in turn, under a probe load
+    through the front. Right after the kill, status says what nginx runs (a file written and
+    not reloaded is "written, not applied"); `--resume` (odd rounds) or `rollback` (even
+    rounds) leaves the router matching the journal's last word; no request fails."""
     import sqlite3
 
     from kdctl.traffic import Journal
@@ -554,61 +558,79 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(front: dict[str
     inv = str(front["inv"])
     state = front["inv"].parent / "state"
     base = [sys.executable, "-m", "kdctl"]
-    # The forced preflight, then set-weights, watch, set-weights: each started and done.
-    rows_per_run = 7
-    for k in range(1, rows_per_run):
-        db = state / "traffic.sqlite"
-        before = 0
-        if db.exists():
-            with sqlite3.connect(db) as conn:
-                before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-        proc = subprocess.Popen(
-            [
-                *base,
-                "cutover",
-                "--to",
-                "candidate",
-                "--steps",
-                "50,100",
-                "--watch",
-                "1",
-                "--force",
-                "--yes",
-                "-i",
-                inv,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
+    # The forced preflight; set-weights (started, written, done), watch (started, done),
+    # set-weights again.
+    rows_per_run = 9
+    unapplied = 0
+    with Load(front["url"]) as load:
+        for k in range(1, rows_per_run):
+            db = state / "traffic.sqlite"
+            before = 0
+            if db.exists():
                 with sqlite3.connect(db) as conn:
-                    n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-            except sqlite3.OperationalError:
-                n = before  # the journal is still being created
-            if n - before >= k:
-                proc.kill()
-                break
-            time.sleep(0.005)
-        proc.wait(30)
-        with Journal(state) as journal:
-            open_one = journal.latest(state="running")
-        assert open_one is not None, f"round {k}: the cutover finished before the kill"
-        if k % 2:
-            run = kdctl("cutover", "--resume", "--yes", "-i", inv)
-            want = {"candidate": 100}
-        else:
-            run = kdctl("rollback", "--yes", "-i", inv)
-            want = {"baseline": 100}
-        assert run.code == 0, (k, run.out, run.err)
-        assert weights(front["include"]) == want, k
-        with Journal(state) as journal:
-            last = journal.get(open_one.id)
-        assert last is not None and last.state == ("succeeded" if k % 2 else "rolled_back"), k
-        if k % 2:
-            assert kdctl("rollback", "--yes", "-i", inv).code == 0
-        assert weights(front["include"]) == {"baseline": 100}
+                    before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+            proc = subprocess.Popen(
+                [
+                    *base,
+                    "cutover",
+                    "--to",
+                    "candidate",
+                    "--steps",
+                    "50,100",
+                    "--watch",
+                    "1",
+                    "--force",
+                    "--yes",
+                    "-i",
+                    inv,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    with sqlite3.connect(db) as conn:
+                        n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+                except sqlite3.OperationalError:
+                    n = before  # the journal is still being created
+                if n - before >= k:
+                    proc.kill()
+                    break
+                time.sleep(0.005)
+            proc.wait(30)
+            with Journal(state) as journal:
+                open_one = journal.latest(state="running")
+            assert open_one is not None, f"round {k}: the cutover finished before the kill"
+            status = kdctl("status", "-i", inv, "--json", "--timeout", "5")
+            serving = json.loads(status.out)["answers"]["serving"]
+            assert serving["state"] == "serving", (k, serving["detail"])
+            if serving["routed"]["applied"] is False:
+                unapplied += 1
+                assert "written, not applied" in serving["detail"], serving["detail"]
+            else:
+                assert "written, not applied" not in serving["detail"]
+            if k % 2:
+                run = kdctl("cutover", "--resume", "--yes", "-i", inv)
+                want = {"candidate": 100}
+            else:
+                run = kdctl("rollback", "--yes", "-i", inv)
+                want = {"baseline": 100}
+            assert run.code == 0, (k, run.out, run.err)
+            assert weights(front["include"]) == want, k
+            with Journal(state) as journal:
+                last = journal.get(open_one.id)
+            assert last is not None and last.state == ("succeeded" if k % 2 else "rolled_back"), k
+            if k % 2:
+                assert kdctl("rollback", "--yes", "-i", inv).code == 0
+            assert weights(front["include"]) == {"baseline": 100}
+            after = json.loads(kdctl("status", "-i", inv, "--json").out)["answers"]["serving"]
+            assert (after["backend"], after["routed"]["applied"]) == ("baseline", True), k
+    report(
+        f"SIGKILL at each of {rows_per_run - 1} journal rows: {load.sent} requests through the "
+        f"front, {len(load.failures)} failed; {unapplied} kill(s) left a file written, not applied"
+    )
+    assert load.sent > 0 and not load.failures, load.failures[:5]
 
 
 def test_drain_answers_503_with_retry_after(front: dict[str, Any]) -> None:

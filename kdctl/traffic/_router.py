@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,6 +35,9 @@ class RouterState(BaseModel):
     weights: dict[str, int]
     draining: bool = False
     source: str
+    # Whether the router runs what `source` holds: False for a file written and never
+    # reloaded, None where the router cannot tell (no record of what it last loaded).
+    applied: bool | None = None
 
     @property
     def serving(self) -> list[str]:
@@ -70,9 +74,13 @@ class Router(abc.ABC):
         """The live state, from the router itself."""
 
     @abc.abstractmethod
-    def apply(self, weights: dict[str, int]) -> RouterState:
+    def apply(
+        self, weights: dict[str, int], *, on_written: Callable[[], None] | None = None
+    ) -> RouterState:
         """Send traffic by `weights` (percent, summing to 100) and return the state read back;
-        raise RouterError, with the old state still serving, when the change cannot be made."""
+        raise RouterError, with the old state still serving, when the change cannot be made.
+        `on_written` is called once the change is written and before it is applied, where
+        the router has the two steps (nginx: the file, then the reload)."""
 
     def drain(self) -> RouterState:
         raise RouterError(f"router {self.kind} cannot drain")

@@ -13,10 +13,12 @@ Strategies, in Argo Rollouts' terms:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import Any, Literal
 
 import httpx
@@ -31,6 +33,7 @@ from kdctl.evidence import EvidenceStore
 from kdctl.gating import run_gates
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.load import BenchMetrics, LoadPlan, histogram_quantile, run_load
+from kdctl.serving import front_api_key
 from kdctl.traffic._router import Router, RouterError, RouterState
 from kdctl.traffic.journal import Journal
 from kdctl.transports import TransportPool
@@ -175,15 +178,29 @@ class Runner:
                     continue
                 if self.on_step:
                     self.on_step(idx, step)
+                # The journal first: a step it cannot record is never applied.
                 self.journal.step(cid, idx, step.kind, step.model_dump(), "started")
                 try:
-                    note = self._apply(plan, step)
-                except KdctlError as exc:
-                    self.journal.step(cid, idx, step.kind, step.model_dump(), "failed", str(exc))
+                    written = partial(
+                        self.journal.step, cid, idx, step.kind, step.model_dump(), "written"
+                    )
+                    note = self._apply(plan, step, written)
+                except (Exception, KeyboardInterrupt) as exc:
+                    _best_effort(
+                        self.journal.step,
+                        cid,
+                        idx,
+                        step.kind,
+                        step.model_dump(),
+                        "failed",
+                        _why(exc),
+                    )
                     raise
                 self.journal.step(cid, idx, step.kind, step.model_dump(), "done", note)
-        except KdctlError as exc:
-            reason = f"{exc}"
+        # Whatever broke (a router, a full disk under the journal, Ctrl-C), the runner's promise
+        # holds: traffic goes back to where it was.
+        except (Exception, KeyboardInterrupt) as exc:
+            reason = _why(exc)
             state = self._undo(cid, plan, reason)
             return self._outcome(cid, plan, state, reason)
         self.journal.finish(cid, "succeeded")
@@ -204,10 +221,12 @@ class Runner:
             watches=self.watches,
         )
 
-    def _apply(self, plan: Plan, step: Step) -> str | None:
+    def _apply(
+        self, plan: Plan, step: Step, on_written: Callable[[], None] | None = None
+    ) -> str | None:
         if step.kind == "set-weights":
             assert step.weights is not None
-            state = self.router.apply(step.weights)
+            state = self.router.apply(step.weights, on_written=on_written)
             if self.drained_at is not None:
                 self.downtime_s = round(time.monotonic() - self.drained_at, 3)
                 self.drained_at = None
@@ -256,7 +275,10 @@ class Runner:
         settings = self.inv.spec.gates.throughput
         pct = settings.slo_percentile
         front = BackendSpec(kind="sglang", host=self.router.spec.host, url=self.router.front_url)
-        be = make_backend("router-front", front)
+        # The probes carry the key clients send through the front: the router's own, else the
+        # candidate's, which must also open the baseline for clients to survive the cutover.
+        key = front_api_key(self.inv, {plan.to_backend: 100})
+        be = make_backend("router-front", front, api_key=key)
         assert isinstance(be, HttpBackend)
         engine_before = _engine_counters(self.inv, plan.to_backend)
         deadline = time.monotonic() + seconds
@@ -321,16 +343,47 @@ class Runner:
 
     def _undo(self, cid: str, plan: Plan, reason: str) -> Literal["failed", "rolled_back"]:
         """Back to the old backend: one router write; for a swap, the new engine stopped and
-        the old one started first."""
+        the old one started first. Where even that fails, the outcome says what the router
+        does now and the one command that restores it."""
         try:
             restore(self.inv, self.router, self.pool, plan, self.journal, cid)
-        except KdctlError as exc:
-            self.journal.finish(cid, "failed", f"{reason}; rollback failed too: {exc}")
-            return "failed"
+        except (Exception, KeyboardInterrupt) as exc:
+            try:
+                now = f"the router now sends {self.router.read().weights}"
+            except KdctlError as read_exc:
+                now = f"the router could not be read back ({read_exc})"
+            said = (
+                f"{reason}; the rollback failed too: {_why(exc)}; {now}; to restore it run: "
+                f"kdctl rollback (it moves all traffic back to {plan.from_backend})"
+            )
+            _best_effort(self.journal.finish, cid, "failed", said)
+            raise CutoverAborted(said) from None
         if self.drained_at is not None:
             self.downtime_s = round(time.monotonic() - self.drained_at, 3)
-        self.journal.finish(cid, "rolled_back", reason)
+        _best_effort(self.journal.finish, cid, "rolled_back", reason)
         return "rolled_back"
+
+
+class CutoverAborted(KdctlError):
+    """A cutover that failed and could not roll itself back: exit 3, with the router's state
+    and the command that restores it."""
+
+    exit_code = 3
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, KdctlError):
+        return str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _best_effort(write: Callable[..., None], *args: Any) -> None:
+    """A journal write on the way back: restoring traffic matters more than recording it."""
+    # The caller reports the failure that brought it here.
+    with contextlib.suppress(Exception):
+        write(*args)
 
 
 def record_promotion(
@@ -426,12 +479,15 @@ def restore(
     cid: str,
 ) -> RouterState:
     # Rollback steps are numbered after the plan's, so a resume never mistakes them for it.
-    record = journal.get(cid)
+    try:
+        record = journal.get(cid)
+    except Exception:
+        record = None  # a damaged journal: the router is restored all the same
     idx = 1000 + (len(record.steps) if record else 0)
     if plan.strategy == "swap":
         for name, verb in ((plan.to_backend, "stop"), (plan.from_backend, "start")):
             spec = inv.backends[name]
-            journal.step(cid, idx, f"rollback-{verb}", {"backend": name}, "started")
+            _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "started")
             with make_backend(name, spec, api_key=inv.api_key(name)) as be:
                 control = be.lifecycle(pool.get(spec.host))
                 if verb == "stop":
@@ -440,15 +496,32 @@ def restore(
                     if control.state().state != "running":
                         control.start()
                     control.wait_ready(deadline_s=600)
-            journal.step(cid, idx, f"rollback-{verb}", {"backend": name}, "done")
+            _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "done")
             idx += 1
     weights = {plan.from_backend: 100, plan.to_backend: 0}
     live = router.read()
-    if live.weights == {plan.from_backend: 100} and not live.draining:
+    # A file that says so but was never loaded (kdctl killed before the reload) is no proof.
+    if live.weights == {plan.from_backend: 100} and not live.draining and live.applied is not False:
         # The failed step never took: rewriting the router would only be a needless reload.
-        journal.step(cid, idx, "rollback-set-weights", {"weights": weights}, "done", "unchanged")
+        _best_effort(
+            journal.step,
+            cid,
+            idx,
+            "rollback-set-weights",
+            {"weights": weights},
+            "done",
+            "unchanged",
+        )
         return live
-    journal.step(cid, idx, "rollback-set-weights", {"weights": weights}, "started")
+    _best_effort(journal.step, cid, idx, "rollback-set-weights", {"weights": weights}, "started")
     state = router.apply(weights)
-    journal.step(cid, idx, "rollback-set-weights", {"weights": weights}, "done", str(state.weights))
+    _best_effort(
+        journal.step,
+        cid,
+        idx,
+        "rollback-set-weights",
+        {"weights": weights},
+        "done",
+        str(state.weights),
+    )
     return state

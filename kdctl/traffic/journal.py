@@ -22,8 +22,12 @@ from pydantic import BaseModel
 from kdctl.checks.result import utcnow
 from kdctl.errors import KdctlError
 
-CutoverState = Literal["running", "succeeded", "failed", "rolled_back"]
-StepPhase = Literal["started", "done", "failed"]
+# "abandoned": an interrupted cutover that a later cutover or rollback superseded; it is never
+# resumed.
+CutoverState = Literal["running", "succeeded", "failed", "rolled_back", "abandoned"]
+# "written": the router's change is in place but not yet applied (nginx: the file, before its
+# reload); a resume applies it before it goes on.
+StepPhase = Literal["started", "written", "done", "failed"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS cutovers (
@@ -133,6 +137,7 @@ class Journal:
         forced: bool,
     ) -> str:
         cid = uuid.uuid4().hex[:12]
+        self.supersede(f"superseded by cutover {cid}")
         self._db.execute(
             "INSERT INTO cutovers (id, from_backend, to_backend, strategy, plan, state, forced,"
             " started_at, holder) VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?)",
@@ -162,6 +167,15 @@ class Journal:
             "INSERT INTO steps (cutover_id, idx, kind, detail, phase, at, note)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (cid, idx, kind, json.dumps(detail), phase, utcnow().isoformat(), note),
+        )
+
+    def supersede(self, reason: str, *, keep: str | None = None) -> None:
+        """Every interrupted cutover but `keep` is over: a later order replaced it, so it is
+        never resumed. Called under the lock, so none of them is still running."""
+        self._db.execute(
+            "UPDATE cutovers SET state = 'abandoned', reason = ?, ended_at = ?"
+            " WHERE state = 'running' AND id IS NOT ?",
+            (reason, utcnow().isoformat(), keep),
         )
 
     def finish(self, cid: str, state: CutoverState, reason: str | None = None) -> None:

@@ -4,10 +4,12 @@ whole and swapped in by rename, then applied by a graceful reload, on the router
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -87,6 +89,12 @@ class NginxRouter(Router):
             )
         )
 
+    @property
+    def _applied_path(self) -> str:
+        # The checksum of the file as nginx last validated and reloaded it: nginx keeps no
+        # record of what its running master loaded that can be read back.
+        return self.spec.include + ".applied"
+
     def read(self) -> RouterState:
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp) / "kdctl.conf"
@@ -96,7 +104,14 @@ class NginxRouter(Router):
                 # The transport's message names the host, the path and why.
                 raise RouterError(f"nginx: {exc}") from None
             text = local.read_text()
-        return parse_config(text, source=f"{self.spec.host}:{self.spec.include}")
+            record = Path(tmp) / "applied"
+            try:
+                self.transport.get(self._applied_path, record)
+                applied: bool | None = record.read_text().strip() == _digest(text)
+            except KdctlError:
+                applied = None
+        state = parse_config(text, source=f"{self.spec.host}:{self.spec.include}")
+        return state.model_copy(update={"applied": applied})
 
     def _check_and_reload(self) -> None:
         test = self.transport.run(self._nginx("-t"), timeout=30)
@@ -108,9 +123,10 @@ class NginxRouter(Router):
         if not reload.ok:
             raise RouterError(f"nginx -s reload failed: {reload.stderr.strip()[-600:]}")
 
-    def _write(self, text: str) -> None:
+    def _write(self, text: str, on_written: Callable[[], None] | None = None) -> None:
         """New file in, `nginx -t`; on refusal the previous file goes back and nginx, never
-        reloaded, keeps serving the old one."""
+        reloaded, keeps serving the old one. After the reload, the file's checksum is recorded
+        as what nginx runs."""
         include = self.spec.include
         previous = include + ".prev"
         self.transport.run(["cp", "-p", "--", include, previous], timeout=30)
@@ -118,14 +134,21 @@ class NginxRouter(Router):
             local = Path(tmp) / "kdctl.conf"
             local.write_text(text)
             self.transport.put(local, include, mode=0o644)
-        try:
-            self._check_and_reload()
-        except RouterError:
-            self.transport.run(["cp", "-p", "--", previous, include], timeout=30)
-            raise
+            if on_written is not None:
+                on_written()
+            try:
+                self._check_and_reload()
+            except RouterError:
+                self.transport.run(["cp", "-p", "--", previous, include], timeout=30)
+                raise
+            record = Path(tmp) / "applied"
+            record.write_text(_digest(text) + "\n")
+            self.transport.put(record, self._applied_path, mode=0o644)
 
-    def apply(self, weights: dict[str, int]) -> RouterState:
-        self._write(self.render(weights))
+    def apply(
+        self, weights: dict[str, int], *, on_written: Callable[[], None] | None = None
+    ) -> RouterState:
+        self._write(self.render(weights), on_written)
         return self.confirm(weights)
 
     def drain(self) -> RouterState:
@@ -154,6 +177,10 @@ class NginxRouter(Router):
                         f"not only {sorted(serving)}"
                     )
                 time.sleep(0.05)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def parse_config(text: str, *, source: str) -> RouterState:

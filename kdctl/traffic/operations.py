@@ -123,11 +123,41 @@ def _resume(
     on_step: Callable[[int, Step], None] | None,
 ) -> CutoverOutcome:
     with journal.locked():
-        record = journal.latest(state="running")
-        if record is None:
-            raise InputError("no interrupted cutover in the journal")
+        # Only the operator's last order is resumed: an older interrupted cutover was replaced
+        # by whatever came after it.
+        record = journal.latest()
+        if record is None or record.state != "running":
+            said = f"; the newest, {record.id}, {record.state}" if record else ""
+            raise InputError(f"no interrupted cutover in the journal{said}")
+        journal.supersede(f"superseded by cutover {record.id}", keep=record.id)
         plan = _journaled_plan(record, "resumed from the journal")
         live = router.read()
+        if any(s.kind.startswith("rollback-") for s in record.steps):
+            # It was being rolled back when it stopped: resuming finishes the rollback.
+            if not confirm(
+                f"Finish rolling back cutover {record.id} to {plan.from_backend}; the router "
+                f"now sends {live.weights}?"
+            ):
+                raise Refused("resume not confirmed; nothing changed")
+            started = utcnow()
+            state = restore(inv, router, pool, plan, journal, record.id)
+            journal.finish(record.id, "rolled_back", "kdctl cutover --resume: rollback finished")
+            store.record(_rolled_back(inv, record, state, started, "resumed rollback"))
+            return CutoverOutcome(
+                id=record.id,
+                plan=plan,
+                state="rolled_back",
+                reason="rollback resumed",
+                router=state,
+            )
+        expected = _resumable_weights(plan, record)
+        if live.weights not in expected:
+            raise Refused(
+                f"cutover {record.id} cannot be resumed: the router now sends {live.weights}, "
+                f"not {' or '.join(map(str, expected))} as its journal left it; something else "
+                "changed it since. Nothing changed: kdctl rollback returns traffic to "
+                f"{plan.from_backend}, or start a new cutover"
+            )
         if not confirm(
             f"Resume cutover {record.id} ({plan.strategy} to {plan.to_backend}); the router "
             f"now sends {live.weights}; {len(record.done_steps)} of {len(plan.steps)} steps done?"
@@ -135,6 +165,28 @@ def _resume(
             raise Refused("resume not confirmed; nothing changed")
         runner = Runner(inv, router, journal, store, pool, on_step=on_step)
         return runner.run(record.id, plan, skip=record.done_steps)
+
+
+def _resumable_weights(plan: Plan, record: CutoverRecord) -> list[dict[str, int]]:
+    """What the router may send when a resume takes over: what the last finished weight step
+    left, or what the interrupted one was writing (nginx may have loaded it or not)."""
+    done = record.done_steps
+    touched = {s.idx for s in record.steps}
+
+    def positive(weights: dict[str, int] | None) -> dict[str, int]:
+        return {k: v for k, v in (weights or {}).items() if v > 0}
+
+    last = {plan.from_backend: 100}
+    for i, step in enumerate(plan.steps):
+        if step.kind != "set-weights":
+            continue
+        if i in done:
+            last = positive(step.weights)
+        elif i in touched:
+            return [last, positive(step.weights)]
+        else:
+            break
+    return [last]
 
 
 def _journaled_plan(record: CutoverRecord, reason: str) -> Plan:
@@ -162,10 +214,12 @@ def rollback(
                 raise InputError("no cutover in the journal to roll back")
             plan = _journaled_plan(record, "rollback")
             live = router.read()
-            if live.weights == {record.from_backend: 100} and not live.draining:
+            unchanged = live.weights == {record.from_backend: 100} and not live.draining
+            if unchanged and live.applied is not False:
                 # Nothing to write, but an interrupted cutover still ends here, in the journal.
                 if record.state == "running":
                     journal.finish(record.id, "rolled_back", "kdctl rollback: router unchanged")
+                    journal.supersede(f"superseded by the rollback of {record.id}")
                     store.record(_rolled_back(inv, record, live, started, "router unchanged"))
                 return record.from_backend, live
             if not confirm(
@@ -174,6 +228,7 @@ def rollback(
                 raise Refused("rollback not confirmed; nothing changed")
             state = restore(inv, router, pool, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl rollback")
+            journal.supersede(f"superseded by the rollback of {record.id}")
             store.record(_rolled_back(inv, record, state, started, "kdctl rollback"))
             return record.from_backend, state
 

@@ -5,6 +5,7 @@ wait again. It has no traffic weights: blue-green only, declared as such."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 from urllib.parse import quote
 
@@ -48,7 +49,10 @@ class SGLangRouter(Router):
             weights[names[0]] += 100 - sum(weights.values())
         return RouterState(weights=weights, source=f"{self.front_url}/workers")
 
-    def apply(self, weights: dict[str, int]) -> RouterState:
+    def apply(
+        self, weights: dict[str, int], *, on_written: Callable[[], None] | None = None
+    ) -> RouterState:
+        # The registry applies each change as it takes it: there is no written-only state.
         check_weights(self.inv, weights)
         wanted = [n for n, w in weights.items() if w > 0]
         if len(wanted) != 1 or weights[wanted[0]] != 100:

@@ -653,3 +653,91 @@ def test_drain_answers_503_with_retry_after(front: dict[str, Any]) -> None:
         assert json.loads(status.out)["traffic"]["draining"] is True
         assert router.apply({"baseline": 100}).weights == {"baseline": 100}
     assert httpx.get(front["url"] + "/health").headers["x-kdctl-backend"] == "baseline"
+
+
+def _kill_when(args: list[str], db: Path, sql: str, want: int) -> None:
+    """Run kdctl and SIGKILL it as soon as `sql` over the journal counts `want` rows."""
+    import sqlite3
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kdctl", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with sqlite3.connect(db) as conn:
+                if conn.execute(sql).fetchone()[0] >= want:
+                    proc.kill()
+                    break
+        except sqlite3.OperationalError:
+            pass  # the journal is still being created
+        time.sleep(0.002)
+    proc.wait(30)
+
+
+def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
+    """A cutover killed before its first write, then one that succeeded: the first is
+    abandoned, not "in progress", and --resume has nothing to replay. A canary killed at 50/50,
+    then a rollback killed inside its write: --resume finishes the rollback, the operator's
+    last order, never the canary. A router changed by hand since: --resume refuses."""
+    from kdctl.traffic import Journal
+
+    inv = str(front["inv"])
+    db = front["inv"].parent / "state" / "traffic.sqlite"
+    canary = ["cutover", "--to", "candidate", "--steps", "50,100", "--watch", "30"]
+    canary += ["--force", "--yes", "-i", inv]
+    _kill_when(canary, db, "SELECT count(*) FROM cutovers", 1)
+    with Journal(db.parent) as journal:
+        first = journal.latest()
+    assert first is not None and first.state == "running"
+    assert weights(front["include"]) == {"baseline": 100}
+    bg = kdctl(
+        "cutover", "--to", "candidate", "--strategy", "blue-green", "--force", "--yes", "-i", inv
+    )
+    assert bg.code == 0, bg.out + bg.err
+    with Journal(db.parent) as journal:
+        abandoned = journal.get(first.id)
+    assert abandoned is not None and abandoned.state == "abandoned"
+    status = json.loads(kdctl("status", "-i", inv, "--json").out)
+    assert status["traffic"]["cutover_in_progress"] is None
+    resumed = kdctl("cutover", "--resume", "--yes", "-i", inv)
+    assert resumed.code == 2 and "no interrupted cutover" in resumed.err, resumed.err
+    assert "succeeded" in resumed.err
+    assert weights(front["include"]) == {"candidate": 100}
+    assert kdctl("rollback", "--yes", "-i", inv).code == 0
+
+    # The canary at 50/50, killed in its watch.
+    done_50 = (
+        "SELECT count(*) FROM steps WHERE kind = 'watch' AND phase = 'started' AND cutover_id ="
+        " (SELECT id FROM cutovers WHERE state = 'running' ORDER BY rowid DESC LIMIT 1)"
+    )
+    _kill_when(canary, db, done_50, 1)
+    assert weights(front["include"]) == {"baseline": 50, "candidate": 50}
+    # The rollback, killed once its router write is journaled as started.
+    started = (
+        "SELECT count(*) FROM steps WHERE kind = 'rollback-set-weights' AND phase = 'started'"
+        " AND cutover_id = (SELECT id FROM cutovers ORDER BY rowid DESC LIMIT 1)"
+    )
+    _kill_when(["rollback", "--yes", "-i", inv], db, started, 1)
+    resumed = kdctl("cutover", "--resume", "--yes", "-i", inv)
+    assert resumed.code == 1, resumed.out + resumed.err  # the cutover ends rolled back
+    assert "rolled_back" in resumed.out and weights(front["include"]) == {"baseline": 100}
+
+    # Killed at 50/50 again; then someone sends everything to the candidate by hand.
+    _kill_when(canary, db, done_50, 1)
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    loaded = load_inventory(front["inv"])
+    with TransportPool(loaded) as pool:
+        router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        router.apply({"candidate": 100})
+    refused = kdctl("cutover", "--resume", "--yes", "-i", inv)
+    assert refused.code == 1, refused.out + refused.err
+    assert "cannot be resumed: the router now sends {'candidate': 100}" in refused.err
+    assert weights(front["include"]) == {"candidate": 100}  # nothing changed
+    assert kdctl("rollback", "--yes", "-i", inv).code == 0
+    assert weights(front["include"]) == {"baseline": 100}

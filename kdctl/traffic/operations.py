@@ -226,6 +226,9 @@ def rollback(
                 f"Roll back to {record.from_backend} (the router now sends {live.weights})?"
             ):
                 raise Refused("rollback not confirmed; nothing changed")
+            # The order is journaled before anything moves: killed from here on, a resume
+            # finishes this rollback instead of the cutover it undoes.
+            journal.step(record.id, 999, "rollback-ordered", {}, "done", "kdctl rollback")
             state = restore(inv, router, pool, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl rollback")
             journal.supersede(f"superseded by the rollback of {record.id}")

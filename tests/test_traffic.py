@@ -741,3 +741,69 @@ def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
     assert weights(front["include"]) == {"candidate": 100}  # nothing changed
     assert kdctl("rollback", "--yes", "-i", inv).code == 0
     assert weights(front["include"]) == {"baseline": 100}
+
+
+def test_a_disk_that_fills_during_a_canary_rolls_back(front: dict[str, Any], report: Any) -> None:
+    """The journal cannot be written past 50/50 (a file-size limit, which SQLite meets as a
+    full disk): the runner's promise holds, traffic goes back to the baseline, and the message
+    says so; no traceback."""
+    import resource
+
+    inv = str(front["inv"])
+    state = front["inv"].parent / "state"
+    # A first cutover and its rollback create the journal and the evidence store.
+    assert (
+        kdctl(
+            "cutover",
+            "--to",
+            "candidate",
+            "--strategy",
+            "blue-green",
+            "--force",
+            "--yes",
+            "-i",
+            inv,
+        ).code
+        == 0
+    )
+    assert kdctl("rollback", "--yes", "-i", inv).code == 0
+    limit = max(p.stat().st_size for p in state.iterdir()) + 4096
+
+    def small_disk() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    with Load(front["url"]) as load:
+        started = time.monotonic()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kdctl",
+                "cutover",
+                "--to",
+                "candidate",
+                "--steps",
+                "50,100",
+                "--watch",
+                "3",
+                "--force",
+                "--yes",
+                "-i",
+                inv,
+            ],
+            capture_output=True,
+            text=True,
+            preexec_fn=small_disk,
+            timeout=300,
+        )
+        took = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode in (1, 3), out
+    assert "Traceback" not in out, out
+    assert weights(front["include"]) == {"baseline": 100}, out
+    assert "disk" in out, out
+    report(
+        f"disk full during a canary: exit {proc.returncode} after {took:.1f}s, router back at "
+        f"baseline 100; {load.sent} requests through the front, {len(load.failures)} failed"
+    )
+    assert not load.failures, load.failures[:5]

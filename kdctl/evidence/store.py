@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from kdctl._statefile import explain, guarded
 from kdctl.checks.result import Baseline, BaselineKind, GateResult
 from kdctl.errors import InputError
 from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
@@ -29,8 +30,8 @@ class EvidenceStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
-        except sqlite3.DatabaseError as exc:
-            raise InputError(f"{path}: not a kdctl evidence database: {exc}") from None
+        except (sqlite3.Error, OSError) as exc:
+            raise explain(path, exc) from None
 
     @classmethod
     def in_state_dir(cls, state_dir: Path) -> EvidenceStore:
@@ -76,10 +77,12 @@ class EvidenceStore:
             # PRAGMA takes no parameters; the value is an int from our own list.
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
+    @guarded
     def record(self, result: GateResult) -> None:
         with self._tx() as db:
             _insert(db, result, None)
 
+    @guarded
     def record_baseline(self, baseline: Baseline) -> None:
         with self._tx() as db:
             _insert(db, baseline, None)
@@ -90,6 +93,7 @@ class EvidenceStore:
         except ValidationError as exc:
             raise InputError(f"{self.path}: a stored result is corrupt: {exc}") from None
 
+    @guarded
     def results(
         self, *, gate: str | None = None, backend: str | None = None, limit: int | None = None
     ) -> list[GateResult]:
@@ -104,10 +108,12 @@ class EvidenceStore:
             args.append(limit)
         return self._load(self._db.execute(sql, args).fetchall())
 
+    @guarded
     def latest(self, gate: str, backend: str) -> GateResult | None:
         found = self.results(gate=gate, backend=backend, limit=1)
         return found[0] if found else None
 
+    @guarded
     def get(self, result_id: str) -> GateResult | None:
         rows = self._db.execute("SELECT body FROM results WHERE id = ?", (result_id,)).fetchall()
         if not rows:
@@ -120,6 +126,7 @@ class EvidenceStore:
         found = self._load(rows)
         return found[0] if found else None
 
+    @guarded
     def baselines(
         self,
         *,
@@ -138,6 +145,7 @@ class EvidenceStore:
         except ValidationError as exc:
             raise InputError(f"{self.path}: a stored baseline is corrupt: {exc}") from None
 
+    @guarded
     def merge(
         self, results: list[GateResult], baselines: list[Baseline], *, source: str
     ) -> tuple[int, int]:

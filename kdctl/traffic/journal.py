@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from kdctl._statefile import explain, guarded
 from kdctl.checks.result import utcnow
 from kdctl.errors import KdctlError
 
@@ -80,13 +81,16 @@ def holder() -> str:
 
 class Journal:
     def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "traffic.sqlite"
         self.lock_path = state_dir / "traffic.lock"
-        self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
         self._lock_fd: int | None = None
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.Error, OSError) as exc:
+            raise explain(self.path, exc) from None
 
     def close(self) -> None:
         self.release()
@@ -100,6 +104,7 @@ class Journal:
 
     # The lock is an flock on a file: the kernel drops it when its holder dies, even by
     # SIGKILL, so a crashed cutover never leaves traffic locked until someone deletes a file.
+    @guarded
     def acquire(self) -> None:
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -127,6 +132,7 @@ class Journal:
         finally:
             self.release()
 
+    @guarded
     def begin(
         self,
         from_backend: str,
@@ -154,6 +160,7 @@ class Journal:
         )
         return cid
 
+    @guarded
     def step(
         self,
         cid: str,
@@ -169,6 +176,7 @@ class Journal:
             (cid, idx, kind, json.dumps(detail), phase, utcnow().isoformat(), note),
         )
 
+    @guarded
     def supersede(self, reason: str, *, keep: str | None = None) -> None:
         """Every interrupted cutover but `keep` is over: a later order replaced it, so it is
         never resumed. Called under the lock, so none of them is still running."""
@@ -178,12 +186,14 @@ class Journal:
             (reason, utcnow().isoformat(), keep),
         )
 
+    @guarded
     def finish(self, cid: str, state: CutoverState, reason: str | None = None) -> None:
         self._db.execute(
             "UPDATE cutovers SET state = ?, reason = ?, ended_at = ? WHERE id = ?",
             (state, reason, utcnow().isoformat(), cid),
         )
 
+    @guarded
     def get(self, cid: str) -> CutoverRecord | None:
         row = self._db.execute(
             "SELECT id, from_backend, to_backend, strategy, plan, state, forced, reason,"
@@ -215,6 +225,7 @@ class Journal:
             steps=steps,
         )
 
+    @guarded
     def latest(self, *, state: CutoverState | None = None) -> CutoverRecord | None:
         row = self._db.execute(
             "SELECT id FROM cutovers WHERE (? IS NULL OR state = ?) ORDER BY started_at DESC,"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr
@@ -346,3 +348,44 @@ def test_backend_kinds_from_entry_points(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "tgi"
+
+
+def test_a_dropped_stream_leaves_the_engine_serving(models: dict[str, Path], report: Any) -> None:
+    """A client that closes a stream after its first event: the next requests are answered,
+    and /health tells the truth."""
+    import socket
+
+    from tests.conftest import serve_reference
+
+    served = serve_reference(models["dsv3"])
+    try:
+        host, port = served.url.removeprefix("http://").split(":")
+        body = json.dumps(
+            {
+                "input_ids": [11, 12, 13],
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+                "stream": True,
+            }
+        ).encode()
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=10) as raw:
+                raw.sendall(
+                    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                got = b""
+                while b"data:" not in got:  # the first event, then hang up
+                    chunk = raw.recv(4096)
+                    assert chunk, got
+                    got += chunk
+        started = time.monotonic()
+        with make_backend("sglang", spec("sglang", served.url), timeout=20) as be:
+            assert be.health().state == "up"
+            answer = be.generate(GenerateRequest(input_ids=[11, 12], max_new_tokens=4))
+        took = time.monotonic() - started
+        report(f"reference server after 3 dropped streams: health and a generation in {took:.2f}s")
+        assert answer.completion_tokens == 4 and took < 20
+    finally:
+        served.proc.terminate()
+        served.proc.wait(10)

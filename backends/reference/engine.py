@@ -81,10 +81,12 @@ class ReferenceEngine:
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
         out: list[int] = []
         lps: list[TokenLogprob] = []
-        with self.lock, torch.no_grad():
-            ids = torch.tensor([prompt], device=self.device)
-            past = None
-            for _ in range(req.max_new_tokens):
+        ids = torch.tensor([prompt], device=self.device)
+        past = None
+        for _ in range(req.max_new_tokens):
+            # The lock is held for one step, never across a yield: a client that drops its
+            # stream leaves a suspended generator behind, and it must not hold the engine.
+            with self.lock, torch.no_grad():
                 step = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past})
                 past = getattr(step, self._cache_arg)
                 logits = step.logits[0, -1].float()
@@ -94,27 +96,35 @@ class ReferenceEngine:
                 if req.top_logprobs:
                     vals, idx = torch.topk(logprobs, req.top_logprobs)
                     top = [(int(i), float(v)) for v, i in zip(vals, idx, strict=True)]
-                out.append(token)
-                lps.append(TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top))
-                ids = torch.tensor([[token]], device=self.device)
-                finish, matched = self._finished(out, req, stops)
-                text = self.decode(out)
-                if finish == "stop" and isinstance(matched, str):
-                    text = text[: text.index(matched)]
-                yield (
-                    GenerateResult(
-                        output_ids=list(out),
-                        text=text,
-                        finish_reason=finish or "length",
-                        matched_stop=matched,
-                        prompt_tokens=len(prompt),
-                        completion_tokens=len(out),
-                        logprobs=list(lps),
-                    ),
-                    finish is not None,
-                )
-                if finish:
-                    return
+                chosen_lp = float(logprobs[token])
+            out.append(token)
+            lps.append(TokenLogprob(token_id=token, logprob=chosen_lp, top=top))
+            ids = torch.tensor([[token]], device=self.device)
+            finish, matched = self._finished(out, req, stops)
+            text = self.decode(out)
+            if finish == "stop" and isinstance(matched, str):
+                text = text[: text.index(matched)]
+            yield (
+                GenerateResult(
+                    output_ids=list(out),
+                    text=text,
+                    finish_reason=finish or "length",
+                    matched_stop=matched,
+                    prompt_tokens=len(prompt),
+                    completion_tokens=len(out),
+                    logprobs=list(lps),
+                ),
+                finish is not None,
+            )
+            if finish:
+                return
+
+    def responsive(self, timeout_s: float) -> bool:
+        """Whether a generation step could start within `timeout_s`: false when a step hangs."""
+        if not self.lock.acquire(timeout=timeout_s):
+            return False
+        self.lock.release()
+        return True
 
     def _choose(self, logits: Any, req: GenerateRequest, gen: Any) -> int:
         import torch

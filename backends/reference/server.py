@@ -8,6 +8,7 @@ It is what the sandbox and the tests run as a local engine; it makes no claim to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -35,6 +36,9 @@ from kdctl.backends.reference.engine import ReferenceEngine, final
 from kdctl.errors import InputError
 
 VERSION = f"kdctl-reference {__version__}"
+# How long /health waits for the engine to be free for one step before it says "stuck": far
+# above one step of the tiny models, below the 5 s a health probe waits.
+HEALTH_WAIT_S = 3.0
 
 
 class _State:
@@ -153,6 +157,9 @@ def create_app(
         got = engine_or_503()
         if isinstance(got, JSONResponse):
             return got
+        # Healthy means a generation could run now, not only that HTTP answers.
+        if not await _in_thread(lambda: got.responsive(HEALTH_WAIT_S)):
+            return error(503, "generation is stuck: no step could start", "ServiceUnavailable")
         if request.url.path == "/health_generate":
             req = GenerateRequest(input_ids=[0], max_new_tokens=1)
             await _in_thread(lambda: got.generate(req))
@@ -245,7 +252,7 @@ def create_app(
                     yield f"data: {json.dumps(native(result, done))}\n\n"
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(_closing(events()), media_type="text/event-stream")
         last = await _in_thread(lambda: final(run(got, req)))
         return JSONResponse(native(last, True))
 
@@ -372,7 +379,7 @@ def create_app(
                         yield _sse(obj, rid, state.served_name, None, usage(result))
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(_closing(events()), media_type="text/event-stream")
         last = await _in_thread(lambda: final(run(got, req)))
         return JSONResponse(
             {
@@ -425,6 +432,21 @@ class _ApiKey:
                     await JSONResponse({"error": "Unauthorized"}, 401)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+async def _closing(chunks: Iterator[str]) -> Any:
+    """Stream `chunks`, and close them when the client goes away mid-stream, so the request's
+    own clean-up (its running count) happens then rather than never."""
+    from starlette.concurrency import iterate_in_threadpool
+
+    try:
+        async for chunk in iterate_in_threadpool(chunks):
+            yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            with contextlib.suppress(ValueError):  # still running in its worker thread
+                close()
 
 
 async def _in_thread(fn: Any) -> Any:

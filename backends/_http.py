@@ -124,9 +124,11 @@ class HttpSession:
     def events(self, path: str, body: dict[str, Any]) -> Iterator[tuple[float, Any]]:
         """POST and read server-sent events: (arrival time, parsed JSON) until `[DONE]`.
 
-        A stream that ends without `[DONE]` was cut off, and says so.
+        A stream that ends without `[DONE]` was cut off, and says so. The whole stream has
+        the session's timeout, not each read: an engine that streams forever is stopped.
         """
         url = self.url(path)
+        deadline = time.perf_counter() + self.timeout
         try:
             with self._client.stream(
                 "POST", url, json=body, headers=self._headers, timeout=self.timeout
@@ -134,6 +136,10 @@ class HttpSession:
                 self._check(path, resp)
                 for line in resp.iter_lines():
                     now = time.perf_counter()
+                    if now > deadline:
+                        raise BackendTimeout(
+                            self.backend, url, f"the stream did not end within {self.timeout:g}s"
+                        )
                     data = sse_data(self.backend, url, line)
                     if data is DONE:
                         return

@@ -389,3 +389,44 @@ def test_a_dropped_stream_leaves_the_engine_serving(models: dict[str, Path], rep
     finally:
         served.proc.terminate()
         served.proc.wait(10)
+
+
+def test_a_stream_that_never_ends_is_stopped_at_the_deadline(report: Any) -> None:
+    """An engine that sends an event every 50 ms and never [DONE]: the stream ends with a typed
+    timeout naming the backend, at the session's deadline."""
+    import http.server
+    import socketserver
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            event = b'data: {"text": "a", "output_ids": [1], "meta_info": {}}\n\n'
+            try:
+                while True:
+                    self.wfile.write(event)
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                return
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Endless)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        be = make_backend("sglang", spec("sglang", url), timeout=1.5)
+        started = time.monotonic()
+        with pytest.raises(BackendTimeout, match=r"did not end within 1\.5s") as exc:
+            list(be.stream(GenerateRequest(input_ids=[1], max_new_tokens=1)))
+        took = time.monotonic() - started
+        assert f"backend sglang ({url}/generate)" in str(exc.value)
+        report(f"endless stream: typed timeout after {took:.2f}s (deadline 1.5s)")
+        assert took < 4
+    finally:
+        server.shutdown()

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TextIO, cast
 
 import typer
 from pydantic import BaseModel
@@ -806,6 +806,12 @@ def reference_batch(
 
 
 def main() -> None:
+    from kdctl._redact import ScrubbingStream
+
+    # Whatever kdctl prints passes a scrubber: an engine's log quoted in an error, a result's
+    # reasons, a table. Consoles are built on these streams below.
+    sys.stdout = out.file = cast(TextIO, ScrubbingStream(sys.stdout))
+    sys.stderr = err.file = cast(TextIO, ScrubbingStream(sys.stderr))
     try:
         app()
     except KdctlError as exc:

@@ -424,7 +424,7 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
     from kdctl.traffic.nginx import NginxRouter
     from kdctl.transports import TransportPool
 
-    ports = {n: free_port() for n in ("baseline", "candidate", "candidate-int4", "front")}
+    ports = {n: free_port() for n in ("baseline", "candidate", "candidate-int4", "leaky", "front")}
     root = tmp_path / "nginx"
     root.mkdir()
     include = root / "kdctl.conf"
@@ -443,6 +443,19 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         )
     }
     backends["candidate"]["service"]["env"] = {"HF_TOKEN": {"from_env": "KDCTL_TEST_HUB_TOKEN"}}
+    # An engine whose start script prints its hub token, then dies.
+    backends["leaky"] = {
+        "kind": "sglang",
+        "host": "local",
+        "url": f"http://127.0.0.1:{ports['leaky']}",
+        "gpus": [0],
+        "service": {
+            "command": ["sh", "-c", 'echo "loading with HF_TOKEN=$HF_TOKEN"; exit 1'],
+            "pidfile": str(tmp_path / "leaky.pid"),
+            "log": str(tmp_path / "leaky.log"),
+            "env": {"HF_TOKEN": {"from_env": "KDCTL_TEST_HUB_TOKEN"}},
+        },
+    }
     (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
     inv_path = write_inventory(
         tmp_path / "inv.yaml",
@@ -517,6 +530,27 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         assert include.read_text() == routed
 
         token = "hf_kdctl_test_9f3a"
+        # The engine prints the token into its log and dies: the log tail travels into the
+        # error, the promotion evidence and the journal, each with the token masked.
+        leaked = kdctl(
+            "cutover",
+            "--to",
+            "leaky",
+            "--force",
+            "--yes",
+            "-i",
+            inv,
+            env={"KDCTL_TEST_HUB_TOKEN": token},
+            timeout=600,
+        )
+        assert leaked.code == 1, leaked.out + leaked.err
+        assert "loading with HF_TOKEN=***" in leaked.out + leaked.err, leaked.out + leaked.err
+        assert token in (tmp_path / "leaky.log").read_text()  # the engine's own log, untouched
+        exported = kdctl("evidence", "export", "-i", inv, env={"KDCTL_TEST_HUB_TOKEN": token})
+        assert "HF_TOKEN=***" in exported.out and token not in exported.out
+        for stored in (tmp_path / "state").glob("*.sqlite*"):
+            assert token.encode() not in stored.read_bytes(), stored
+        assert httpx.get(backends["baseline"]["url"] + "/health").status_code == 200
         good = kdctl(*args, env={"KDCTL_TEST_HUB_TOKEN": token}, timeout=600)
         assert good.code == 0, good.out + good.err
         assert token not in good.out + good.err

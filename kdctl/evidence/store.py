@@ -7,9 +7,11 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import ValidationError
 
+from kdctl._redact import scrub_data
 from kdctl._statefile import explain, guarded
 from kdctl.checks.result import Baseline, BaselineKind, GateResult
 from kdctl.errors import InputError
@@ -80,12 +82,12 @@ class EvidenceStore:
     @guarded
     def record(self, result: GateResult) -> None:
         with self._tx() as db:
-            _insert(db, result, None)
+            _insert(db, _scrubbed(result), None)
 
     @guarded
     def record_baseline(self, baseline: Baseline) -> None:
         with self._tx() as db:
-            _insert(db, baseline, None)
+            _insert(db, _scrubbed(baseline), None)
 
     def _load(self, rows: list[tuple[str]]) -> list[GateResult]:
         try:
@@ -174,6 +176,14 @@ class EvidenceStore:
                     _insert(db, rec, source)
                     added += 1
         return added, skipped
+
+
+R = TypeVar("R", GateResult, Baseline)
+
+
+def _scrubbed(rec: R) -> R:
+    """What kdctl measured may quote an engine's log: no secret it knows is kept."""
+    return type(rec).model_validate(scrub_data(rec.model_dump(mode="json")))
 
 
 def _insert(db: sqlite3.Connection, rec: GateResult | Baseline, source: str | None) -> None:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
+from kdctl import _redact as redact
 from kdctl.errors import InputError
 from kdctl.inventory import _yaml
 from kdctl.inventory.models import (
@@ -117,6 +118,7 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
     if problems:
         raise InputError(format_problems(doc, problems))
 
+    _register_secrets(spec, base)
     unset = {
         owner: format_problems(doc, [(at, f"environment variable {var} is not set")])
         for owner, at, var in _key_variables(spec)
@@ -126,6 +128,25 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
     return LoadedInventory(
         spec=spec, path=path, state_dir=local_path(Path(chosen), base), unset_keys=unset
     )
+
+
+def _register_secrets(spec: Inventory, base: Path) -> None:
+    """Every secret value this inventory leads kdctl to hold, so none is printed or kept."""
+    owners: list[BackendSpec | RouterSpec] = list(spec.backends.values())
+    if spec.router is not None:
+        owners.append(spec.router)
+    for owner in owners:
+        key = resolve_api_key(owner, base)
+        redact.register(key.get_secret_value() if key else None)
+    for be in spec.backends.values():
+        if isinstance(be.service, CommandService):
+            redact.register(
+                *(
+                    os.environ.get(v.from_env)
+                    for v in be.service.env.values()
+                    if not isinstance(v, str)
+                )
+            )
 
 
 def _key_variables(spec: Inventory) -> Iterable[tuple[str, Loc, str]]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from kdctl._redact import scrub, scrub_data
 from kdctl._statefile import explain, guarded
 from kdctl.checks.result import utcnow
 from kdctl.errors import KdctlError
@@ -173,7 +174,15 @@ class Journal:
         self._db.execute(
             "INSERT INTO steps (cutover_id, idx, kind, detail, phase, at, note)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (cid, idx, kind, json.dumps(detail), phase, utcnow().isoformat(), note),
+            (
+                cid,
+                idx,
+                kind,
+                json.dumps(scrub_data(detail)),
+                phase,
+                utcnow().isoformat(),
+                scrub(note) if note else note,
+            ),
         )
 
     @guarded
@@ -190,7 +199,7 @@ class Journal:
     def finish(self, cid: str, state: CutoverState, reason: str | None = None) -> None:
         self._db.execute(
             "UPDATE cutovers SET state = ?, reason = ?, ended_at = ? WHERE id = ?",
-            (state, reason, utcnow().isoformat(), cid),
+            (state, scrub(reason) if reason else reason, utcnow().isoformat(), cid),
         )
 
     @guarded

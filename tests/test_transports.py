@@ -286,3 +286,68 @@ def test_a_garbled_known_hosts_line_is_named(fleet: SshdFleet, tmp_path: Path) -
     kh.write_text("# a comment\n[127.0.0.1]:1 ssh-ed25519 not-base64!!\n")
     with pytest.raises(TransportError, match=r"known_hosts:2: unreadable host key line"):
         ssh(fleet, "plain", known_hosts=kh).connect()
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    ["*", "port-glob", "other,[127.0.0.1]:*", "hashed", "127.0.0.1", "*,![127.0.0.1]:*"],
+)
+def test_host_patterns_match_as_openssh_matches_them(
+    fleet: SshdFleet, tmp_path: Path, patterns: str
+) -> None:
+    """known_hosts holds host A's key under a pattern; the server presents key B. Under
+    accept-new, kdctl and OpenSSH's own client, each on its own copy of the same file, must
+    agree: a pattern covering the host means a changed key (refused, file untouched); one that
+    does not cover it means an unknown host (connected, key recorded)."""
+    import paramiko
+
+    port = fleet.hosts["plain"].port
+    if patterns == "port-glob":
+        patterns = f"[127.0.0.1]:{str(port)[:-1]}*"
+    elif patterns == "hashed":
+        patterns = paramiko.HostKeys.hash_host(f"[127.0.0.1]:{port}")
+    kind, b64 = fleet.hosts["plain2"].hostkey.with_suffix(".pub").read_text().split()[:2]
+    text = f"{patterns} {kind} {b64}\n"
+    theirs, ours = tmp_path / "openssh_known_hosts", tmp_path / "kdctl_known_hosts"
+    theirs.write_text(text)
+    ours.write_text(text)
+    openssh = subprocess.run(
+        [
+            "ssh",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=accept-new",
+            "-o",
+            f"UserKnownHostsFile={theirs}",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-o",
+            "CheckHostIP=no",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-i",
+            str(fleet.userkey),
+            "-p",
+            str(port),
+            f"{fleet.user}@127.0.0.1",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    openssh_refused = openssh.returncode != 0
+    try:
+        with ssh(fleet, "plain", known_hosts=ours, host_key_policy="accept-new") as t:
+            assert t.run(["true"]).ok
+        kdctl_refused = False
+    except HostKeyError as exc:
+        assert "HOST KEY CHANGED" in str(exc)
+        kdctl_refused = True
+    assert kdctl_refused == openssh_refused, (patterns, openssh.stderr)
+    if openssh_refused:
+        assert "REMOTE HOST IDENTIFICATION HAS CHANGED" in openssh.stderr
+        assert ours.read_text() == text
+    else:
+        assert ours.read_text().startswith(text) and len(ours.read_text()) > len(text)

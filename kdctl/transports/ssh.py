@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko
@@ -75,6 +76,15 @@ def cert_authority_line(known_hosts: Path, hostname: str) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class KnownHost:
+    """One plain known_hosts line: where it is, its host patterns, its key."""
+
+    line: int
+    patterns: str
+    key: paramiko.PKey
+
+
 class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     """Refuses unknown keys, or with `accept-new` records them, as OpenSSH's option does.
 
@@ -82,15 +92,41 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
     BadHostKeyException for it whatever the policy, which is what accept-new means too.
     """
 
-    def __init__(self, name: str, spec: HostSpec, known_hosts: Path) -> None:
+    def __init__(
+        self, name: str, spec: HostSpec, known_hosts: Path, entries: list[KnownHost]
+    ) -> None:
         self.name = name
         self.spec = spec
         self.known_hosts = known_hosts
+        self.entries = entries
 
     def missing_host_key(
         self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey
     ) -> None:
         fingerprint = f"{key.get_name()} {key.fingerprint}"
+        # Every line whose host patterns cover this host, as OpenSSH matches them (globs,
+        # negation, hashed names): paramiko's own lookup knows exact names only, so a key
+        # under `*` would look unknown and accept-new would record a changed one.
+        covering = [e for e in self.entries if _matches(e.patterns, hostname)]
+        if any(e.key.get_name() == key.get_name() and e.key == key for e in covering):
+            if is_revoked(self.known_hosts, key):
+                raise HostKeyError(
+                    self.name,
+                    f"host key {fingerprint} is marked @revoked in {self.known_hosts}",
+                    fingerprint,
+                )
+            return
+        if covering:
+            first = covering[0]
+            want = f"{first.key.get_name()} {first.key.fingerprint}"
+            raise HostKeyError(
+                self.name,
+                f"HOST KEY CHANGED for {hostname}: it presented {fingerprint}, "
+                f"{self.known_hosts}:{first.line} ({first.patterns}) has {want}. Refusing to "
+                "connect: this can be an attack; if the host was reinstalled, remove the old "
+                "line from known_hosts",
+                fingerprint,
+            )
         if is_revoked(self.known_hosts, key):
             raise HostKeyError(
                 self.name,
@@ -156,16 +192,17 @@ class SSHTransport(Transport):
         sock.connect(addr)
         return sock
 
-    def _load_known_hosts(self, client: paramiko.SSHClient) -> None:
+    def _load_known_hosts(self) -> list[KnownHost]:
         """OpenSSH's file, read line by line: marker lines (`@revoked`, `@cert-authority`) are
-        OpenSSH syntax paramiko cannot parse; revoked keys are checked by `is_revoked`."""
+        OpenSSH syntax paramiko cannot parse; revoked keys are checked by `is_revoked`. None of
+        it goes into paramiko's own table, so every key is judged by the policy's matching."""
         if not self.known_hosts.is_file():
-            return
+            return []
         try:
             text = self.known_hosts.read_text()
         except OSError as exc:
             raise TransportError(self.name, f"cannot read {self.known_hosts}: {exc}") from None
-        keys = client.get_host_keys()
+        entries: list[KnownHost] = []
         for no, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()
             if not line or line.startswith(("#", "@")):
@@ -178,15 +215,16 @@ class SSHTransport(Transport):
                 ) from None
             if entry is None or entry.key is None:
                 continue
-            for hostname in entry.hostnames:
-                keys.add(hostname, entry.key.get_name(), entry.key)
+            entries.append(KnownHost(no, ",".join(entry.hostnames), entry.key))
+        return entries
 
     def _open(self) -> paramiko.SSHClient:
         spec = self.spec
         assert spec.address is not None
         client = paramiko.SSHClient()
-        self._load_known_hosts(client)
-        client.set_missing_host_key_policy(_HostKeyPolicy(self.name, spec, self.known_hosts))
+        client.set_missing_host_key_policy(
+            _HostKeyPolicy(self.name, spec, self.known_hosts, self._load_known_hosts())
+        )
         timeout = spec.connect_timeout_s
         try:
             sock = self._pending = socket.create_connection(

@@ -9,7 +9,15 @@ import shlex
 from typing import Any
 
 from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import Comparison, GateResult, Metric, Verdict, decide, utcnow
+from kdctl.checks.result import (
+    Comparison,
+    GateResult,
+    Metric,
+    Verdict,
+    decide,
+    is_measurement,
+    utcnow,
+)
 from kdctl.errors import KdctlError
 from kdctl.inventory.models import CommandCheck
 
@@ -34,25 +42,29 @@ def judge_check(
     """Metrics named `<check>.<metric>` with their thresholds, why the check failed, and which
     thresholds it left unjudged (a metric it did not print, or printed as no number)."""
     reasons: list[str] = []
+    unmeasured: list[str] = []
     if exit_code != 0:
         tail = " | ".join(stderr.strip().splitlines()[-3:])[:300]
         reasons.append(f"{name}: exited {exit_code}{': ' + tail if tail else ''}")
     try:
         found = read_metrics(stdout)
     except ValueError as exc:
-        reasons.append(f"{name}: {exc}")
+        unmeasured.append(f"{name}: {exc}")
         found = {}
     metrics = []
-    unmeasured = []
     for metric, (op, limit) in check.parsed().items():
         value = found.get(metric)
+        number = is_measurement(value)
         comparison: Comparison = op  # type: ignore[assignment]
-        m = Metric(name=f"{name}.{metric}", value=value, threshold=limit, comparison=comparison)
-        if m.unmeasured:
-            # Infinity is what a benchmark prints when it divides by a time of zero.
+        m = Metric(
+            name=f"{name}.{metric}",
+            value=value if number else None,
+            threshold=limit,
+            comparison=comparison,
+        )
+        if not number:
             got = "missing" if metric not in found else f"{json.dumps(value)}, not a finite number"
             unmeasured.append(f"{name}: metric {metric!r} is {got}: '{op} {limit:g}' not judged")
-            m = m.model_copy(update={"value": None})
         elif m.passed is False:
             reasons.append(f"{name}: {metric} = {value} is not {op} {limit:g}")
         metrics.append(m)

@@ -26,6 +26,14 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def is_measurement(value: Any) -> bool:
+    """Only a finite number is a measurement: None, text, a bool, NaN or an infinity (what a
+    benchmark prints when it divides by a time of zero) give a threshold nothing to judge."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 class Metric(BaseModel):
     """One measured value and, where it decides the verdict, its threshold."""
 
@@ -44,10 +52,7 @@ class Metric(BaseModel):
 
     @property
     def measured(self) -> bool:
-        """Only a finite number is a measurement: None, text, a bool, NaN or an infinity (a
-        benchmark dividing by a zero time) give a threshold nothing to judge."""
-        v = self.value
-        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        return is_measurement(self.value)
 
     @property
     def unmeasured(self) -> bool:
@@ -61,7 +66,7 @@ class Metric(BaseModel):
             return None
         assert isinstance(self.value, int | float) and self.threshold is not None
         assert self.comparison is not None
-        v, t = float(self.value), float(self.threshold)
+        v, t = self.value, self.threshold
         return {
             ">=": v >= t,
             "<=": v <= t,

@@ -78,13 +78,6 @@ def run_gates(
         else [gate_class(gate).name]
     )
     results = []
-    identified: dict[str, Identity] = {}
-
-    def baseline_identity(name: str) -> Identity:
-        if name not in identified:
-            identified.update(identify_backends(inv, {name}))
-        return identified[name]
-
     with gate_context(inv, store, progress) as ctx:
         assert ctx.transport is not None
         binder = Binder(inv, ctx.transport)
@@ -105,11 +98,7 @@ def run_gates(
             else:
                 result = cls().run(ctx, backend, baseline)
             result.settings = gate_settings(inv, name)
-            result.provenance = binder.bind(backend, result.provenance)
-            if result.baseline is not None:
-                result.provenance = binder.bind_baseline(
-                    result.provenance, baseline_identity(result.baseline).provenance
-                )
+            result = binder.bind_result(result)
             store.record(result)
             results.append(result)
     return results
@@ -150,7 +139,8 @@ def record_signoff(
     """A person's approval, kept as evidence like any gate's result."""
     _check_names(inv, backend)
     with gate_context(inv, store) as ctx:
-        result = sign_off(ctx, backend, by, note)
+        assert ctx.transport is not None
+        result = Binder(inv, ctx.transport).bind_result(sign_off(ctx, backend, by, note))
     store.record(result)
     return result
 
@@ -164,6 +154,7 @@ class Binder:
         self.transport = transport
         self._hosts: dict[str, str | None] = {}
         self._weights: dict[tuple[str, str], str | None] = {}
+        self._baselines: dict[str, Identity] = {}
 
     def host_id(self, host: str) -> str | None:
         if host not in self._hosts:
@@ -190,6 +181,16 @@ class Binder:
         return prov.model_copy(
             update={"baseline_weights": baseline.weights, "baseline_host_id": baseline.host_id}
         )
+
+    def bind_result(self, result: GateResult) -> GateResult:
+        """A result about to be recorded, bound to what its backend (and the baseline it was
+        compared with) serve now, as the engine describes itself."""
+        prov = self.bind(result.backend, result.provenance)
+        if result.baseline is not None:
+            if result.baseline not in self._baselines:
+                self._baselines.update(identify_backends(self.inv, {result.baseline}))
+            prov = self.bind_baseline(prov, self._baselines[result.baseline].provenance)
+        return result.model_copy(update={"provenance": prov})
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,42 @@ def test_the_same_api_conforms(
     assert base["error_not_json"]["status"] == 400
 
 
+def test_a_baseline_that_answered_nothing_holds_the_candidate_to_nothing(
+    reference_server: Served, tmp_path: Path
+) -> None:
+    """The baseline is down: none of its answers exists to compare with, so a live candidate
+    conforms to nothing, and the gate says so instead of passing with 0/0."""
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": engine_pair("http://127.0.0.1:9", reference_server.url),
+            "state_dir": "state",
+        },
+    )
+    run = kdctl(
+        "gate",
+        "run",
+        "api-conformance",
+        "-b",
+        "candidate",
+        "--baseline",
+        "baseline",
+        "-i",
+        str(inv),
+        "--json",
+    )
+    assert run.code == 1, run.out + run.err
+    (result,) = json.loads(run.out)["results"]
+    assert result["verdict"] == "inconclusive", result["reasons"]
+    assert result["reasons"][0] == "0/0 probes answered as baseline's live answers"
+    assert result["reasons"][1].startswith(
+        "14 of 14 probes not compared: baseline did not answer them (ConnectError"
+    )
+    metrics = {m["name"]: (m["value"], m["threshold"]) for m in result["metrics"]}
+    assert metrics == {"probes": (0, None), "nonconforming": (None, 0)}
+
+
 def test_shapes_compare_keys_types_and_framing() -> None:
     want = shape({"choices": [{"text": "a", "index": 0}], "usage": {"total": 3}})
     assert (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,64 @@ def test_logprob_close_rule_on_a_near_tie() -> None:
     assert compare_prompt(far, base, "logprob-close")["ok"] is False  # 4 is not in base's top-k
     same = compare_prompt(base, base, "strict")
     assert same["ok"] and same["first_divergence"] is None and same["matched_tokens"] == 3
+
+
+def test_two_empty_outputs_are_no_match() -> None:
+    """Nothing generated on either side compares nothing: the prompt does not count as matching
+    (nor as exact), in either mode."""
+    empty = {"id": "p", "output_ids": [], "logprobs": [], "top": []}
+    for mode in ("strict", "logprob-close"):
+        got = compare_prompt(empty, empty, mode)
+        assert got["ok"] is False and got["matched_tokens"] == 0 and got["tokens"] == 0
+
+
+def test_health_of_an_engine_that_does_not_name_its_model_is_inconclusive(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The reference engine in command mode, its answer's `engine.model` withheld (the contract
+    allows it): it is up and generates, but the inventory's model was never confirmed."""
+    engine = tmp_path / "unnamed-engine.py"
+    engine.write_text(
+        "import json, subprocess, sys\n"
+        f"cmd = [sys.executable, '-m', 'kdctl', 'reference', 'batch', '--model', "
+        f"{str(models['dsv3'])!r}, *sys.argv[1:]]\n"
+        "code = subprocess.call(cmd)\n"
+        "response = sys.argv[sys.argv.index('--response') + 1]\n"
+        "with open(response) as f:\n"
+        "    doc = json.load(f)\n"
+        "doc['engine']['model'] = None\n"
+        "with open(response, 'w') as f:\n"
+        "    json.dump(doc, f)\n"
+        "sys.exit(code)\n"
+    )
+    inv = write_inventory(
+        tmp_path / "unnamed.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "native": {
+                    "kind": "native",
+                    "mode": "command",
+                    "host": "local",
+                    "command": [sys.executable, str(engine)],
+                    "workdir": str(tmp_path),
+                    "model": str(models["dsv3"]),
+                }
+            },
+            "state_dir": "state",
+        },
+    )
+    run = kdctl("gate", "run", "health", "-b", "native", "-i", str(inv), "--json")
+    assert run.code == 1, run.out + run.err
+    (r,) = json.loads(run.out)["results"]
+    assert r["verdict"] == "inconclusive", r["reasons"]
+    assert (
+        f"the engine does not say which model it serves; the inventory says {models['dsv3']}"
+        in (r["reasons"])
+    )
+    metrics = {m["name"]: (m["value"], m["threshold"]) for m in r["metrics"]}
+    assert metrics["one_token_completion_tokens"] == (1, 1)
+    assert metrics["model_matches"] == (None, 1)
 
 
 def test_health_gate_and_exit_codes(inventory: Any) -> None:

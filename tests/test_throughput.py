@@ -121,15 +121,21 @@ def test_a_live_baseline_when_none_is_recorded_and_a_down_candidate(inventory: A
 
 
 def test_a_run_whose_every_request_failed_fails_whatever_the_allowance(inventory: Any) -> None:
-    """Every request times out: no TTFT was measured, and an SLO on it is not met by default.
-    An allowance of failures as large as the run does not make a run with no success a pass."""
-    inv = inventory(slo_ttft_ms=60_000, max_failed_requests=1000, request_timeout_s=0.001)
+    """Token ids beyond the model's vocabulary: the engine refuses every request, so no TTFT
+    was measured and the SLO on it is neither met nor broken. An allowance of failures as large
+    as the run does not make a run without one success a pass."""
+    workload = {"input_len": 24, "output_len": OUTPUT_LEN, "concurrency": [1, 4]}
+    inv = inventory(
+        workload={**workload, "num_prompts": PROMPTS, "token_range": [5000, 5001]},
+        slo_ttft_ms=60_000,
+        max_failed_requests=1000,
+    )
     code, result = gate(inv, "candidate")
     assert code == 1 and result["verdict"] == "fail", result["reasons"]
     for c in (1, 4):
         assert any(
             r.startswith(f"concurrency {c}: {PROMPTS} of {PROMPTS} requests failed, so nothing")
-            and "Timeout" in r
+            and "HTTP 400" in r
             for r in result["reasons"]
         ), result["reasons"]
     metrics = {m["name"]: m for m in result["metrics"]}

@@ -841,3 +841,59 @@ def test_a_disk_that_fills_during_a_canary_rolls_back(front: dict[str, Any], rep
         f"baseline 100; {load.sent} requests through the front, {len(load.failures)} failed"
     )
     assert not load.failures, load.failures[:5]
+
+
+def test_gates_recorded_while_a_cutover_runs_and_a_second_cutover_is_refused(
+    front: dict[str, Any], report: Any
+) -> None:
+    """Two kdctl processes recording gates in a loop while a third cuts over: every result is
+    there exactly once, and a second cutover meanwhile is refused naming the holder."""
+    inv = str(front["inv"])
+    per_writer = 4
+    codes: list[int] = []
+
+    def record() -> None:
+        for _ in range(per_writer):
+            codes.append(kdctl("gate", "run", "health", "-b", "baseline", "-i", inv).code)
+
+    writers = [threading.Thread(target=record) for _ in range(2)]
+    canary = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kdctl",
+            "cutover",
+            "--to",
+            "candidate",
+            "--steps",
+            "50,100",
+            "--watch",
+            "4",
+            "--force",
+            "--yes",
+            "-i",
+            inv,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for w in writers:
+        w.start()
+    time.sleep(1.5)  # the canary holds the lock through its watch
+    second = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", inv)
+    for w in writers:
+        w.join(300)
+    out, err = canary.communicate(timeout=300)
+    assert canary.returncode == 0, out + err
+    assert second.code == 1 and "holds the traffic lock" in second.err, second.err
+    assert f"pid {canary.pid}" in second.err, second.err
+    assert codes == [0] * (2 * per_writer)
+    listed = kdctl("evidence", "list", "--gate", "health", "--limit", "100", "--json", "-i", inv)
+    ids = [r["id"] for r in json.loads(listed.out)["results"]]
+    assert len(ids) == len(set(ids)) == 2 * per_writer
+    report(
+        f"concurrent: {len(ids)} health results from 2 writers during a canary, all recorded "
+        "once; the second cutover refused naming the holder"
+    )
+    assert kdctl("rollback", "--yes", "-i", inv).code == 0

@@ -20,9 +20,8 @@ _IDENTITY = (
     "baseline_host_id",
     "baseline_weights",
 )
-# Read on the host, never declared: a result that has them is held to them even when the
-# engine does not answer, and one recorded without a fingerprint, where one can be read now,
-# cannot say that what it measured is what is there.
+# A result that names the model it measured but carries no fingerprint of its weights, where
+# one can be read now, cannot say that what it measured is what is there.
 _BOUND = ("weights", "baseline_weights")
 
 
@@ -68,7 +67,10 @@ def freshness(
     changed = []
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
-        if name in _BOUND and then is None and now_value is not None:
+        measured_model = (
+            result.provenance.model_path if name == "weights" else result.baseline is not None
+        )
+        if name in _BOUND and then is None and now_value is not None and measured_model:
             changed.append(f"{name}: recorded without a fingerprint, now {now_value}")
             continue
         if then in (None, []):

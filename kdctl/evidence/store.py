@@ -63,15 +63,17 @@ class EvidenceStore:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
     def _migrate(self) -> None:
-        current = self.schema_version
-        if current > SCHEMA_VERSION:
-            raise InputError(
-                f"{self.path}: schema version {current} is newer than this kdctl "
-                f"understands ({SCHEMA_VERSION}); upgrade kdctl"
-            )
-        if current == SCHEMA_VERSION:
+        if self.schema_version == SCHEMA_VERSION:
             return
+        # Under the write lock, and the version read again there: two kdctl processes opening
+        # a new store at once must not both create its tables.
         with self._tx() as db:
+            current = self.schema_version
+            if current > SCHEMA_VERSION:
+                raise InputError(
+                    f"{self.path}: schema version {current} is newer than this kdctl "
+                    f"understands ({SCHEMA_VERSION}); upgrade kdctl"
+                )
             for version in range(current, SCHEMA_VERSION):
                 for statement in MIGRATIONS[version].split(";"):
                     if statement.strip():

@@ -30,7 +30,7 @@ from kdctl.checks.promotion import promotion_result
 from kdctl.checks.result import GateResult, Verdict, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
-from kdctl.gating import run_gates
+from kdctl.gating import Binder, run_gates
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.load import BenchMetrics, LoadPlan, histogram_quantile, run_load
 from kdctl.serving import front_api_key
@@ -168,7 +168,8 @@ class Runner:
     def run(self, cid: str, plan: Plan, *, skip: set[int] | None = None) -> CutoverOutcome:
         started = utcnow()
         outcome = self._run(cid, plan, skip or set())
-        self.store.record(record_promotion(self.inv, outcome, started))
+        promoted = record_promotion(self.inv, outcome, started)
+        self.store.record(Binder(self.inv, self.pool.get).bind_result(promoted))
         return outcome
 
     def _run(self, cid: str, plan: Plan, skip: set[int]) -> CutoverOutcome:

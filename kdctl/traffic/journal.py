@@ -118,6 +118,12 @@ class Journal:
         os.pwrite(fd, f"{holder()} since {utcnow():%Y-%m-%d %H:%M:%SZ}\n".encode(), 0)
         self._lock_fd = fd
 
+    def check_free(self) -> None:
+        """LockHeld, naming the holder, when another kdctl is moving traffic now: said before
+        anything else, since what it is doing explains any state the router is in."""
+        self.acquire()
+        self.release()
+
     def release(self) -> None:
         if self._lock_fd is not None:
             os.ftruncate(self._lock_fd, 0)

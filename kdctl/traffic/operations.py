@@ -10,6 +10,7 @@ from kdctl.checks.promotion import promotion_result
 from kdctl.checks.result import GateResult, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
+from kdctl.gating import Binder
 from kdctl.inventory import LoadedInventory
 from kdctl.readiness import assess
 from kdctl.traffic._router import Router, RouterState
@@ -71,6 +72,7 @@ def cutover(
     on_step: Callable[[int, Step], None] | None = None,
 ) -> Plan | CutoverOutcome:
     with TransportPool(inv) as pool, Journal(inv.state_dir) as journal:
+        journal.check_free()
         router = make_router(inv, pool)
         if resume:
             return _resume(inv, store, router, journal, pool, confirm, on_step)
@@ -142,7 +144,7 @@ def _resume(
             started = utcnow()
             state = restore(inv, router, pool, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl cutover --resume: rollback finished")
-            store.record(_rolled_back(inv, record, state, started, "resumed rollback"))
+            store.record(_rolled_back(inv, pool, record, state, started, "resumed rollback"))
             return CutoverOutcome(
                 id=record.id,
                 plan=plan,
@@ -220,7 +222,7 @@ def rollback(
                 if record.state == "running":
                     journal.finish(record.id, "rolled_back", "kdctl rollback: router unchanged")
                     journal.supersede(f"superseded by the rollback of {record.id}")
-                    store.record(_rolled_back(inv, record, live, started, "router unchanged"))
+                    store.record(_rolled_back(inv, pool, record, live, started, "router unchanged"))
                 return record.from_backend, live
             if not confirm(
                 f"Roll back to {record.from_backend} (the router now sends {live.weights})?"
@@ -232,14 +234,19 @@ def rollback(
             state = restore(inv, router, pool, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl rollback")
             journal.supersede(f"superseded by the rollback of {record.id}")
-            store.record(_rolled_back(inv, record, state, started, "kdctl rollback"))
+            store.record(_rolled_back(inv, pool, record, state, started, "kdctl rollback"))
             return record.from_backend, state
 
 
 def _rolled_back(
-    inv: LoadedInventory, record: CutoverRecord, state: RouterState, started: datetime, how: str
+    inv: LoadedInventory,
+    pool: TransportPool,
+    record: CutoverRecord,
+    state: RouterState,
+    started: datetime,
+    how: str,
 ) -> GateResult:
-    return promotion_result(
+    result = promotion_result(
         inv,
         record.to_backend,
         verdict="fail",
@@ -250,3 +257,4 @@ def _rolled_back(
         weights=state.weights,
         started_at=started,
     )
+    return Binder(inv, pool.get).bind_result(result)

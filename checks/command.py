@@ -8,6 +8,7 @@ import json
 import shlex
 from typing import Any
 
+from kdctl._limits import load_json
 from kdctl.checks._gate import Gate, GateContext, provenance_of
 from kdctl.checks.result import (
     Comparison,
@@ -18,7 +19,7 @@ from kdctl.checks.result import (
     is_measurement,
     utcnow,
 )
-from kdctl.errors import KdctlError
+from kdctl.errors import InputError, KdctlError
 from kdctl.inventory.models import CommandCheck
 
 
@@ -27,9 +28,11 @@ def read_metrics(stdout: str) -> dict[str, Any]:
     `metrics` object is unwrapped."""
     for line in reversed(stdout.strip().splitlines()):
         try:
-            doc = json.loads(line)
+            doc = load_json(line, "the command's output", max_bytes=1 << 20)
         except json.JSONDecodeError:
             continue
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
         if isinstance(doc, dict):
             inner = doc.get("metrics")
             return inner if isinstance(inner, dict) else doc

@@ -13,6 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from kdctl._limits import check_size, load_json
 from kdctl.backends import Backend, GenerateRequest
 from kdctl.checks._gate import Gate, GateContext, provenance_of
 from kdctl.checks.result import Baseline, GateResult, Metric, content_hash, decide, utcnow
@@ -21,11 +22,14 @@ from kdctl.inventory import local_path
 from kdctl.inventory.models import ExactnessSettings
 
 DEFAULT_CORPUS = "sandbox.jsonl"
+# A corpus of long prompts runs to megabytes; past this it is not a corpus.
+MAX_CORPUS_BYTES = 64 << 20
 
 
 def load_corpus(path: Path) -> list[dict[str, Any]]:
     """JSONL, one prompt a line: {"id": ..., "prompt": "text"} or {"id": ..., "input_ids": [..]}."""
     try:
+        check_size(path.stat().st_size, MAX_CORPUS_BYTES, str(path))
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise InputError(f"{path}: cannot read the corpus: {exc}") from None
@@ -34,7 +38,7 @@ def load_corpus(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = load_json(line, f"{path}:{no}", max_bytes=MAX_CORPUS_BYTES)
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{no}: not JSON: {exc.msg}") from None
         if not isinstance(item, dict) or ("prompt" in item) == ("input_ids" in item):

@@ -204,9 +204,30 @@ _FINDINGS: list[str] = []
 
 
 @pytest.fixture
-def report() -> Any:
-    """Record a measured finding; they are printed together at the end of the run."""
-    return _FINDINGS.append
+def report(request: pytest.FixtureRequest) -> Any:
+    """Record a measured finding; they are printed together at the end of the run. Kept on
+    the test's report, so findings from pytest-xdist's workers reach the summary too."""
+
+    def add(text: str) -> None:
+        request.node.user_properties.append(("finding", text))
+
+    return add
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":
+        _FINDINGS.extend(str(v) for k, v in report.user_properties if k == "finding")
+
+
+# Tests that start the sandbox bind its fixed ports (8000, 30000, 31000): one worker runs
+# them all. Every other file is a group of its own, so its module fixtures start once.
+_SHARED_PORTS = {"test_sandbox.py": "sandbox-ports", "test_demo.py": "sandbox-ports"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(_SHARED_PORTS.get(name, name)))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

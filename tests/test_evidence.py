@@ -110,7 +110,7 @@ def test_a_newer_or_foreign_database_is_refused(tmp_path: Path) -> None:
         EvidenceStore(newer)
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"this is not sqlite at all" * 100)
-    with pytest.raises(InputError, match="not a kdctl evidence database"):
+    with pytest.raises(InputError, match="the file is damaged"):
         EvidenceStore(junk)
 
 

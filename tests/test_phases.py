@@ -24,6 +24,7 @@ from tests.conftest import (
     ssh_home,
     write_inventory,
 )
+from tests.support.sshd import free_port
 
 pytest.importorskip("torch")
 KEY = "sk-test-7f1e"
@@ -93,7 +94,7 @@ def setup(tmp_path: Path, reference_server: Served, twin_server: Served, keyed_s
                 "router": {
                     "kind": "nginx",
                     "host": "local",
-                    "listen": "127.0.0.1:8000",
+                    "listen": f"127.0.0.1:{free_port()}",
                     "serving": "baseline",
                 },
                 "gates": {
@@ -138,7 +139,7 @@ def test_phases_follow_evidence_from_real_gates(setup: Any, tmp_path: Path) -> N
         "cutover": "blocked",
     }
     assert all(c["state"] == "missing" for p in doc["phases"] for c in p["criteria"])
-    # The inventory names a router on 127.0.0.1:8000 that nobody runs: nothing serves, and
+    # The inventory names a router on a port nobody listens on: nothing serves, and
     # there is no engine whose speed could be judged.
     serving = doc["answers"]["serving"]
     assert (serving["state"], serving["speed_optimized"]) == ("nothing", None)

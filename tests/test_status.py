@@ -89,7 +89,7 @@ def test_status_over_ssh(fleet: SshdFleet, engines: dict[str, int], tmp_path: Pa
                 "router": {
                     "kind": "nginx",
                     "host": "gpu",
-                    "listen": "127.0.0.1:8000",
+                    "listen": f"127.0.0.1:{free_port()}",
                     "serving": "sglang",
                 },
             },

@@ -111,6 +111,14 @@ class Load:
 def front(
     tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
 ) -> Iterator[dict[str, Any]]:
+    yield from _front(tmp_path, need_nginx, reference_server, twin_server)
+
+
+def _front(
+    tmp_path: Path, nginx: str, baseline: Served, candidate: Served, **backend: Any
+) -> Iterator[dict[str, Any]]:
+    """nginx with kdctl's configuration in front of two engines, sending all to `baseline`;
+    `backend` fields go into both engines' inventory entries."""
     from kdctl.inventory import load_inventory
     from kdctl.traffic.nginx import NginxRouter
     from kdctl.transports import TransportPool
@@ -120,16 +128,19 @@ def front(
     root.mkdir()
     include = root / "kdctl.conf"
     (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    pair = engine_pair(baseline.url, candidate.url)
+    for entry in pair.values():
+        entry.update(backend)
     data = {
         "hosts": {"local": {"transport": "local"}},
-        "backends": engine_pair(reference_server.url, twin_server.url),
+        "backends": pair,
         "router": {
             "kind": "nginx",
             "host": "local",
             "listen": f"127.0.0.1:{port}",
             "serving": "baseline",
             "include": str(include),
-            "nginx": need_nginx,
+            "nginx": nginx,
             "prefix": str(root),
             "conf": str(root / "nginx.conf"),
         },
@@ -897,3 +908,44 @@ def test_gates_recorded_while_a_cutover_runs_and_a_second_cutover_is_refused(
         "once; the second cutover refused naming the holder"
     )
     assert kdctl("rollback", "--yes", "-i", inv).code == 0
+
+
+def test_a_canary_between_engines_that_require_a_key(
+    tmp_path: Path, need_nginx: str, models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both engines require `Authorization: Bearer`: the watch's probe load carries the key,
+    so the canary goes through instead of reading every probe's 401 as a breach."""
+    key = "sk-canary-test-41d2"
+    monkeypatch.setenv("KDCTL_TEST_ENGINE_KEY", key)
+    engines = [serve_reference(models["dsv3"], api_key=key) for _ in range(2)]
+    setup = _front(tmp_path, need_nginx, *engines, api_key_env="KDCTL_TEST_ENGINE_KEY")
+    try:
+        front = next(setup)
+        inv = str(front["inv"])
+        run = kdctl(
+            "cutover",
+            "--to",
+            "candidate",
+            "--steps",
+            "50,100",
+            "--watch",
+            "2",
+            "--force",
+            "--yes",
+            "-i",
+            inv,
+            "--json",
+        )
+        assert run.code == 0, run.out + run.err
+        outcome = json.loads(run.out)
+        assert outcome["state"] == "succeeded", outcome
+        assert [w["failed"] for w in outcome["watches"]] == [0]
+        assert outcome["watches"][0]["sent"] > 0
+        status = json.loads(kdctl("status", "-i", inv, "--json").out)["answers"]["serving"]
+        assert (status["state"], status["backend"]) == ("serving", "candidate")
+        assert key not in run.out + run.err
+    finally:
+        setup.close()  # stops nginx
+        for served in engines:
+            served.proc.terminate()
+            served.proc.wait(10)

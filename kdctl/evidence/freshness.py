@@ -75,7 +75,9 @@ def freshness(
             continue
         if then in (None, []):
             continue
-        if now_value in (None, []) and not live:
+        if now_value in (None, []) and (not live or name.startswith("baseline_")):
+            # Not live: held to what is declared. A baseline's fields: only a criterion that
+            # compares with a baseline asks for its identity.
             continue
         if then != now_value:
             shown_now = "unknown" if now_value in (None, []) else now_value

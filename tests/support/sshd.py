@@ -18,12 +18,17 @@ PROBE_USER = "kdctl-probe"
 
 
 def ensure_probe_user() -> str:
-    if subprocess.run(["id", "-u", PROBE_USER], capture_output=True).returncode != 0:
-        subprocess.run(
+    def exists() -> bool:
+        return subprocess.run(["id", "-u", PROBE_USER], capture_output=True).returncode == 0
+
+    if not exists():
+        made = subprocess.run(
             ["useradd", "--create-home", "--shell", "/bin/sh", "--password", "*", PROBE_USER],
-            check=True,
             capture_output=True,
         )
+        # Another test worker may have added it a moment before.
+        if made.returncode != 0 and not exists():
+            raise RuntimeError(f"useradd {PROBE_USER}: {made.stderr.decode().strip()}")
     return PROBE_USER
 
 

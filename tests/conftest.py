@@ -43,8 +43,8 @@ def kdctl(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> Run:
     """Run the real CLI in a new process, as a user would."""
-    full_env = {**os.environ, **(env or {})}
-    full_env.setdefault("COLUMNS", "200")
+    # Wide and fixed, whatever the runner's terminal (pytest-xdist's workers have 80 columns).
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "kdctl", *args],
         capture_output=True,

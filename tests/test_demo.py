@@ -17,7 +17,12 @@ pytest.importorskip("torch")
 
 def test_the_demo_tells_the_whole_story(tmp_path: Path, need_nginx: str) -> None:
     sandbox = tmp_path / "sandbox"
-    env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent), "SANDBOX": str(sandbox)}
+    env = {
+        **os.environ,
+        "VENV": str(Path(sys.executable).parent.parent),
+        "SANDBOX": str(sandbox),
+        "COLUMNS": "200",
+    }
     run = subprocess.run(
         [str(REPO / "scripts" / "demo")], capture_output=True, text=True, env=env, timeout=900
     )

@@ -251,7 +251,7 @@ def _confirmer(yes: bool) -> Any:
             err_print(f"{question} yes (--yes)")
             return True
         if not sys.stdin.isatty():
-            from kdctl.traffic import Refused
+            from kdctl.traffic.operations import Refused
 
             raise Refused(f"{question} No terminal to ask and no --yes: refusing; nothing changed")
         return typer.confirm(question, default=False, err=True)
@@ -291,7 +291,8 @@ def cutover_cmd(
     """Move traffic to a backend, gated by the roadmap's prerequisites. Exit 0 when traffic
     moved, 1 when refused or rolled back, 3 when a router or host failed."""
     from kdctl.errors import InputError
-    from kdctl.traffic import Plan, cutover
+    from kdctl.traffic.cutover import Plan
+    from kdctl.traffic.operations import cutover
 
     if strategy not in (None, "blue-green", "canary", "swap"):
         raise InputError(f"--strategy: {strategy!r} is not one of blue-green, canary, swap")
@@ -350,7 +351,7 @@ def rollback_cmd(
 ) -> None:
     """Back to the backend that served before the last cutover: no gates, one router write,
     confirmed by reading the router back."""
-    from kdctl.traffic import rollback
+    from kdctl.traffic.operations import rollback
 
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:

@@ -37,7 +37,7 @@ from kdctl.roadmap import (
     load_roadmap,
     roadmap_path,
 )
-from kdctl.serving import ServingProbe
+from kdctl.serving import ServingProbe, probe_serving
 
 # "baseline": the engine the roadmap replaces, the yardstick every ratio is measured against.
 Speed = Literal["yes", "no", "unmeasured", "baseline"]
@@ -162,8 +162,6 @@ def assess(
     `serving` and `identities` are what the caller has just measured (`kdctl status` probes
     every engine anyway), so that nothing is asked twice.
     """
-    from kdctl.serving import probe_serving  # the cutover's preflight reads these answers
-
     now = now or utcnow()
     path = roadmap_path(inv, roadmap)
     loaded = load_roadmap(path, inv) if path is not None else None

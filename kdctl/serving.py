@@ -28,6 +28,8 @@ from kdctl.backends.health import BackendState
 from kdctl.errors import KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
+from kdctl.traffic import make_router
+from kdctl.transports import TransportPool
 
 ServingState = Literal["serving", "degraded", "nothing", "unknown"]
 
@@ -101,8 +103,6 @@ def probe_serving(
 ) -> ServingProbe:
     """Ask the front door and the engines. `health` and `services` are what the caller has
     just measured (`kdctl status` probes every backend anyway), so nothing is asked twice."""
-    from kdctl.traffic import make_router  # traffic's cutover reads these answers
-
     known = dict(health or {})
     spec = inv.spec.router
     with httpx.Client() as client:
@@ -131,8 +131,6 @@ def probe_serving(
             return _without_router(engines)
 
         routed = Routed()
-        from kdctl.transports import TransportPool
-
         try:
             with TransportPool(inv) as pool:
                 router = make_router(inv, pool)

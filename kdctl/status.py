@@ -25,6 +25,7 @@ from kdctl.probes import (
 )
 from kdctl.readiness import Answers, LatestVerdict
 from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
+from kdctl.traffic import Journal
 from kdctl.transports import TransportPool, fan_out
 
 
@@ -304,8 +305,6 @@ def collect_status(
 def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> TrafficStatus:
     """The router's configured weights beside who answered through its front, and any cutover
     the journal left open."""
-    from kdctl.traffic import Journal
-
     router = inventory.spec.router
     if router is None:
         return TrafficStatus()

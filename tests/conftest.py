@@ -32,6 +32,17 @@ def _need(binary: str, what: str) -> None:
     pytest.skip(f"{what} is not installed ({binary})")
 
 
+def need_sglang_router() -> None:
+    """SGLang's router is a real part the tests run: missing under CI fails the run."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang_router") is not None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail("SGLang's router (the router extra) is not installed; .ci/run must install it")
+    pytest.skip("SGLang's router (the router extra) is not installed")
+
+
 @dataclass
 class Run:
     code: int

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import kdctl
+from tests.conftest import kdctl, need_sglang_router
 
 pytest.importorskip("torch")
 
@@ -51,7 +51,7 @@ def test_sandbox_up_reuse_and_down(tmp_path: Path, need_nginx: str) -> None:
 def test_sandbox_with_sglang_router_cuts_over_blue_green(tmp_path: Path) -> None:
     """Where nginx is missing the sandbox fronts its engines with SGLang's router, which has no
     weights: the same cutover becomes blue-green."""
-    pytest.importorskip("sglang_router")
+    need_sglang_router()
     root = tmp_path / "sandbox"
     up = kdctl(
         "sandbox", "up", "--dir", str(root), "--router", "sglang-router", "--json", timeout=600

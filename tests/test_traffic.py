@@ -19,7 +19,15 @@ import pytest
 import yaml
 
 from kdctl.backends.reference import serve_argv
-from tests.conftest import Served, engine_pair, kdctl, serve_reference, wait_http, write_inventory
+from tests.conftest import (
+    Served,
+    engine_pair,
+    kdctl,
+    need_sglang_router,
+    serve_reference,
+    wait_http,
+    write_inventory,
+)
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
@@ -348,7 +356,7 @@ def test_candidate_killed_mid_canary_rolls_back(
 
 @pytest.fixture
 def sglang_router(reference_server: Served) -> Iterator[str]:
-    pytest.importorskip("sglang_router")
+    need_sglang_router()
     port = free_port()
     proc = subprocess.Popen(
         [

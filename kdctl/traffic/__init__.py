@@ -1,5 +1,7 @@
-"""Traffic: router drivers (nginx, SGLang's router), the cutover planner and state machine,
-and its journal. Routers are driven through their host's transport; every change is read back."""
+"""Traffic: the router drivers (nginx, SGLang's router) and what they hold now, and the
+cutover journal. Moving traffic (the planner, the runner, cutover and rollback) lives in
+`kdctl.traffic.cutover` and `kdctl.traffic.operations`, a layer above the readiness answers
+they consult; nothing here imports them."""
 
 from kdctl.traffic._router import (
     BACKEND_HEADER,
@@ -8,27 +10,17 @@ from kdctl.traffic._router import (
     RouterError,
     RouterState,
 )
-from kdctl.traffic.cutover import DEFAULT_STEPS, CutoverOutcome, Plan, Step, plan_cutover
 from kdctl.traffic.journal import CutoverRecord, Journal, LockHeld
-from kdctl.traffic.operations import Refused, cutover, make_router, preflight, rollback
+from kdctl.traffic.routers import make_router
 
 __all__ = [
     "BACKEND_HEADER",
-    "DEFAULT_STEPS",
     "Capabilities",
-    "CutoverOutcome",
     "CutoverRecord",
     "Journal",
     "LockHeld",
-    "Plan",
-    "Refused",
     "Router",
     "RouterError",
     "RouterState",
-    "Step",
-    "cutover",
     "make_router",
-    "plan_cutover",
-    "preflight",
-    "rollback",
 ]

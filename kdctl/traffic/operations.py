@@ -25,7 +25,7 @@ from kdctl.traffic.cutover import (
     restore,
 )
 from kdctl.traffic.journal import CutoverRecord, Journal
-from kdctl.traffic.nginx import NginxRouter
+from kdctl.traffic.routers import make_router
 from kdctl.transports import TransportPool
 
 # Asked before anything changes; False stops there. The CLI answers from --yes or a terminal.
@@ -36,17 +36,6 @@ class Refused(KdctlError):
     """A cutover kdctl will not make: prerequisites unmet, or no one said yes."""
 
     exit_code = 1
-
-
-def make_router(inv: LoadedInventory, pool: TransportPool) -> Router:
-    spec = inv.spec.router
-    if spec is None:
-        raise InputError(f"{inv.path}: no router: set router: to move traffic")
-    if spec.kind == "nginx":
-        return NginxRouter(inv, spec, pool.get(spec.host))
-    from kdctl.traffic.sglang_router import SGLangRouter
-
-    return SGLangRouter(inv, spec, pool.get(spec.host))
 
 
 def preflight(inv: LoadedInventory, store: EvidenceStore, to: str) -> list[str]:

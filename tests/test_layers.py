@@ -1,0 +1,129 @@
+"""The layers data flows through (docs/architecture.md): no module imports one above it, not
+even inside a function, and every module imports on its own."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+# Lowest first. A module may import its own layer and the ones before it.
+LAYERS: list[tuple[str, ...]] = [
+    ("kdctl", "kdctl.errors", "kdctl._limits", "kdctl._redact", "kdctl._statefile"),
+    ("kdctl.inventory",),
+    ("kdctl.transports",),
+    ("kdctl.probes",),
+    ("kdctl.backends",),
+    ("kdctl.load",),
+    ("kdctl.checks",),
+    ("kdctl.evidence",),
+    ("kdctl.gating",),
+    ("kdctl.roadmap",),
+    # What a router holds now, read back, and the journal: read by the answers below.
+    (
+        "kdctl.traffic",
+        "kdctl.traffic._router",
+        "kdctl.traffic.nginx",
+        "kdctl.traffic.sglang_router",
+        "kdctl.traffic.routers",
+        "kdctl.traffic.journal",
+    ),
+    ("kdctl.serving",),
+    ("kdctl.readiness",),
+    # Moving traffic consults the answers (the preflight).
+    ("kdctl.traffic.cutover", "kdctl.traffic.operations"),
+    ("kdctl.status", "kdctl.render", "kdctl.report", "kdctl.sandbox"),
+    ("kdctl.cli", "kdctl.__main__"),
+]
+# Where each installed package lives in the checkout (pyproject's package-dir).
+ROOTS = {
+    "kdctl": REPO / "kdctl",
+    "kdctl.backends": REPO / "backends",
+    "kdctl.checks": REPO / "checks",
+    "kdctl.roadmap": REPO / "roadmap",
+}
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest name in LAYERS that `module` is, or is inside."""
+    best, depth = -1, -1
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > depth:
+                best, depth = i, len(name)
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS and the docs")
+    return best
+
+
+def imported(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, module) for every kdctl import in the source, at any depth, relative ones
+    resolved against `module`."""
+    found = []
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("kdctl")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base.startswith("kdctl"):
+                found.append((node.lineno, base))
+    return found
+
+
+def upward(source: str, module: str) -> list[str]:
+    mine = layer_of(module)
+    return [
+        f"{module}:{line} imports {target} (layer {layer_of(target)} above {mine})"
+        for line, target in imported(source, module)
+        if layer_of(target) > mine
+    ]
+
+
+def modules() -> list[tuple[str, Path]]:
+    found = []
+    for package, root in ROOTS.items():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            inner = any(name.startswith(p + ".") for p in ROOTS if p != package and p != "kdctl")
+            if package == "kdctl" and inner:
+                continue
+            found.append((name, path))
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    problems = [p for name, path in modules() for p in upward(path.read_text(), name)]
+    assert problems == [], "\n".join(problems)
+
+
+def test_a_planted_upward_import_is_caught() -> None:
+    planted = "def f():\n    from kdctl.readiness import assess\n    return assess\n"
+    assert upward(planted, "kdctl.evidence.store") == [
+        "kdctl.evidence.store:2 imports kdctl.readiness (layer 12 above 7)"
+    ]
+    assert upward("from ..readiness import assess\n", "kdctl.traffic.journal") == [
+        "kdctl.traffic.journal:1 imports kdctl.readiness (layer 12 above 10)"
+    ]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in modules() if not n.endswith("__main__")])
+def test_every_module_imports_on_its_own(name: str) -> None:
+    """No circle held together by import order: each module, first, in a fresh process."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    importlib.import_module(name)

@@ -230,17 +230,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _FINDINGS.extend(str(v) for k, v in report.user_properties if k == "finding")
 
 
-# Tests that start the sandbox bind its fixed ports (8000, 30000, 31000): one worker runs
-# them all. Every other file is a group of its own, so its module fixtures start once.
-_SHARED_PORTS = {"test_sandbox.py": "sandbox-ports", "test_demo.py": "sandbox-ports"}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(_SHARED_PORTS.get(name, name)))
-
-
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if _FINDINGS:
         terminalreporter.section("findings")

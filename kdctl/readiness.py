@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Literal
 
@@ -101,11 +101,23 @@ def latest_verdicts(
     return found
 
 
+class Soon(BaseModel):
+    """ "Or soon?": the latest crossing among the blocking criteria's trends, if every one of
+    them has one; else which have none, and why."""
+
+    eta: datetime | None = None
+    eta_range: tuple[datetime, datetime] | None = None
+    # The criterion whose crossing comes last (the one that limits the date).
+    limited_by: str | None = None
+    detail: str
+
+
 class CutoverAnswer(BaseModel):
     candidate: str | None
     target: str | None
     can_cut_over: bool | None
     blocking: list[str] = []
+    soon: Soon | None = None
 
 
 class Answers(BaseModel):
@@ -115,6 +127,8 @@ class Answers(BaseModel):
 
     # The moment every part of these answers was measured or read.
     assessed_at: datetime | None = None
+    # Criteria whose newest result is clearly worse than their trend, with the engine versions.
+    regressions: list[str] = []
 
     def lines(self) -> list[str]:
         serving = self.serving.line()
@@ -133,8 +147,12 @@ class Answers(BaseModel):
             cut = f"Cut over to {c.candidate} now: yes (every prerequisite of {c.target} is met)"
         else:
             shown = "; ".join(c.blocking[:6]) + (" ..." if len(c.blocking) > 6 else "")
-            cut = f"Cut over to {c.candidate} now: no; blocked by {shown}"
-        return [serving, remaining, cut]
+            soon = f"; soon: {c.soon.detail}" if c.soon else ""
+            cut = f"Cut over to {c.candidate} now: no{soon}; blocked by {shown}"
+        lines = [serving, remaining, cut]
+        if self.regressions:
+            lines.append("Regressions: " + "; ".join(self.regressions))
+        return lines
 
 
 @dataclass(frozen=True)
@@ -191,6 +209,7 @@ def assess(
             blocking.append(f"{report.candidate} is not answering: {cand.note}")
             # phases --json and every report carry the same verdict as answer 3.
             report = report.model_copy(update={"target_reachable": False})
+    soon = _soon(report) if report is not None and blocking else None
     answers = Answers(
         serving=_serving(inv, store, loaded, probe, identify, now),
         remaining_phases=[f"{p.id} ({p.status})" for p in report.remaining] if report else [],
@@ -199,10 +218,43 @@ def assess(
             target=report.target if report else None,
             can_cut_over=not blocking if report else None,
             blocking=blocking,
+            soon=soon,
         ),
         assessed_at=now,
+        regressions=[
+            f"{c.phase}/{c.name}: {c.trend.regression}"
+            for p in (report.phases if report else [])
+            for c in p.criteria
+            if c.trend is not None and c.trend.regression
+        ],
     )
     return Readiness(answers=answers, phases=report, identities=identities)
+
+
+def _soon(report: PhaseReport) -> Soon:
+    """From the trends of the criteria that block the target: a date only when each has one."""
+    without = [c for c in report.blocking if c.trend is None or c.trend.eta is None]
+    if without or not report.blocking:
+        named = "; ".join(
+            f"{c.phase}/{c.name} ({c.trend.reason if c.trend else 'no numeric requirement'})"
+            for c in without[:4]
+        )
+        return Soon(detail=f"no forecast for {named}" if named else "no forecast")
+    last = max(report.blocking, key=lambda c: c.trend.eta if c.trend and c.trend.eta else now_min())
+    t = last.trend
+    assert t is not None and t.eta is not None
+    span = f" (range {t.eta_range[0]:%Y-%m-%d} to {t.eta_range[1]:%Y-%m-%d})" if t.eta_range else ""
+    return Soon(
+        eta=t.eta,
+        eta_range=t.eta_range,
+        limited_by=f"{last.phase}/{last.name}",
+        detail=f"about {t.eta:%Y-%m-%d}{span} if {last.phase}/{last.name} keeps moving "
+        f"{t.slope_per_day:+.4g}/day ({t.metric} {t.threshold}), the trend holding",
+    )
+
+
+def now_min() -> datetime:
+    return datetime.min.replace(tzinfo=timezone.utc)
 
 
 def _serving(

@@ -22,7 +22,7 @@ from kdctl.checks.result import Baseline, GateResult
 from kdctl.evidence.freshness import age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.readiness import Answers
-from kdctl.roadmap import Measured, PhaseReport
+from kdctl.roadmap import CriterionStatus, Measured, PhaseReport
 from kdctl.status import StatusReport
 
 _STATE_STYLE = {"up": "green", "starting": "yellow", "down": "red", "unknown": "magenta"}
@@ -291,6 +291,18 @@ def _value(m: Measured) -> str:
     return f"{m.metric} {value}"
 
 
+def _trend(c: CriterionStatus) -> str:
+    """Last values, slope, and the crossing date or why there is none."""
+    t = c.trend
+    if t is None:
+        return "-"
+    values = " ".join(f"{p.value:.3g}" for p in t.history[-4:])
+    slope = f", {t.slope_per_day:+.3g}/d" if t.slope_per_day is not None else ""
+    eta = f", ETA {t.eta:%Y-%m-%d}" if t.eta else f"; {t.reason}"
+    regression = f"; REGRESSION: {t.regression}" if t.regression else ""
+    return f"{values}{slope}{eta}{regression}"
+
+
 def _pins(pinned: dict[str, object]) -> str:
     """The settings a criterion pins, compact: nested ones flattened to their leaves."""
 
@@ -315,7 +327,8 @@ def phases_table(report: PhaseReport) -> Group:
             _t(p.id), Text(p.status, _PHASE_STYLE[p.status]), f"{p.met}/{p.total}", _t(p.title)
         )
     unmet = Table(title="Unmet criteria", title_justify="left")
-    for col in ("phase", "criterion", "state", "threshold", "pins", "last measured", "age", "why"):
+    cols = ("phase", "criterion", "state", "threshold", "pins", "last measured", "age", "trend")
+    for col in (*cols, "why"):
         unmet.add_column(col)
     for p in report.phases:
         for c in p.criteria:
@@ -331,6 +344,7 @@ def phases_table(report: PhaseReport) -> Group:
                 _t(_pins(c.pinned)),
                 _t(measured),
                 age,
+                _t(_trend(c)),
                 Text(c.reason[:160]),
             )
     parts: list[Text | Table] = [head, table]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -22,6 +22,7 @@ from kdctl.gating import Identity
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap
+from kdctl.roadmap._trend import Trend, load_theilslopes, requirements, trend_of
 
 CriterionState = Literal["pass", "fail", "missing", "stale"]
 PhaseState = Literal["done", "in_progress", "blocked", "remaining"]
@@ -59,6 +60,9 @@ class CriterionStatus(BaseModel):
     values: list[Measured] = []
     # The judging result's own reasons, when it did not pass.
     findings: list[str] = []
+    # Its history and where it is heading: one trend per numeric requirement, the one that
+    # limits it first.
+    trend: Trend | None = None
 
 
 class PhaseStatus(BaseModel):
@@ -106,17 +110,25 @@ def evaluate(
     target = target or roadmap.target
     roadmap.phase(target)
     resolved = roadmap.criteria(candidate)
-    found = {
-        (c.phase, c.name): _newest_match(c, inv, store) for cs in resolved.values() for c in cs
+    histories = {
+        (c.phase, c.name): _matching(c, inv, store) for cs in resolved.values() for c in cs
     }
+    found = {key: (h[0] if h else None) for key, h in histories.items()}
     with_evidence = [c for cs in resolved.values() for c in cs if found[(c.phase, c.name)]]
     identities = identify(
         {c.backend for c in with_evidence}
         | {c.baseline for c in with_evidence if c.baseline is not None}
     )
+    theilslopes = load_theilslopes()
     criteria: dict[str, list[CriterionStatus]] = {
         phase_id: [
-            _criterion(c, inv, found[(c.phase, c.name)], _bound_identity(c, identities), now)
+            _with_trend(
+                _criterion(c, inv, found[(c.phase, c.name)], _bound_identity(c, identities), now),
+                c,
+                histories[(c.phase, c.name)],
+                now,
+                theilslopes,
+            )
             for c in cs
         ]
         for phase_id, cs in resolved.items()
@@ -263,11 +275,58 @@ def _require(c: ResolvedCriterion, result: GateResult) -> tuple[list[Measured], 
 def _newest_match(
     c: ResolvedCriterion, inv: LoadedInventory, store: EvidenceStore
 ) -> GateResult | None:
+    found = _matching(c, inv, store)
+    return found[0] if found else None
+
+
+def _matching(c: ResolvedCriterion, inv: LoadedInventory, store: EvidenceStore) -> list[GateResult]:
+    """Every result the criterion would accept but for freshness, newest first: its history
+    across engine versions and builds."""
     pinned = pinned_settings(c, inv)
-    return next(
-        (r for r in store.results(gate=c.gate, backend=c.backend) if _matches(c, r, pinned)),
-        None,
+    listed = store.results(gate=c.gate, backend=c.backend, limit=HISTORY)
+    return [r for r in listed if _matches(c, r, pinned)]
+
+
+# The results read for a criterion's history.
+HISTORY = 200
+
+
+def _with_trend(
+    status: CriterionStatus,
+    c: ResolvedCriterion,
+    history: list[GateResult],
+    now: datetime,
+    theilslopes: Callable[..., object] | None,
+) -> CriterionStatus:
+    """The trend of the requirement that limits the criterion: the one with the latest
+    crossing, or the first with none."""
+    judged = [r for r in history if r.verdict in ("pass", "fail")]
+    reqs = requirements(dict(c.spec.require), judged[0] if judged else None)
+    if not reqs:
+        return status
+    trends = [
+        trend_of(judged, pattern, op, limit, met=status.met, now=now, theilslopes=theilslopes)
+        for pattern, op, limit in reqs
+    ]
+    unmet = [t for t in trends if not _holds(t)]
+    pool = unmet or trends
+    no_eta = [t for t in pool if t.eta is None]
+    chosen = no_eta[0] if (no_eta and not status.met) else max(pool, key=_eta_key)
+    return status.model_copy(update={"trend": chosen})
+
+
+def _holds(t: Trend) -> bool:
+    if not t.history or t.threshold is None:
+        return False
+    op, limit = t.threshold.split(" ", 1)
+    return (
+        Metric(name="x", value=t.history[-1].value, threshold=float(limit), comparison=op).passed
+        is True
     )
+
+
+def _eta_key(t: Trend) -> datetime:
+    return t.eta or datetime.min.replace(tzinfo=timezone.utc)
 
 
 def _criterion(

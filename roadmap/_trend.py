@@ -1,0 +1,206 @@
+"""Whether an unmet criterion is getting there: its history, a robust trend, and the date the
+trend would cross the threshold, "if it holds".
+
+The history of a criterion is every result it would accept but for freshness: the same gate,
+backend, baseline and pinned settings, across engine versions and builds (progress spans
+builds). The slope is Theil-Sen's (scipy's `theilslopes`, with its confidence interval), so
+one outlier does not bend it; a date is never given from fewer than three points or from a
+series that does not move toward the threshold.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import statistics
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Literal
+
+from pydantic import BaseModel
+
+from kdctl.checks.result import GateResult, Metric
+from kdctl.inventory.models import parse_threshold
+
+Direction = Literal["toward", "away", "flat", "too few points"]
+
+# The recent points a slope is fitted to: progress months ago says little about next week.
+RECENT = 12
+MIN_POINTS = 3
+
+
+class TrendPoint(BaseModel):
+    at: datetime
+    value: float
+    engine_version: str | None = None
+    evidence_id: str
+
+
+class Trend(BaseModel):
+    # The requirement followed: a metric pattern and its threshold.
+    metric: str | None = None
+    threshold: str | None = None
+    points: int
+    direction: Direction
+    slope_per_day: float | None = None
+    eta: datetime | None = None
+    eta_range: tuple[datetime, datetime] | None = None
+    reason: str
+    history: list[TrendPoint] = []
+    # A newest result clearly worse than the trend before it, with the two engine versions.
+    regression: str | None = None
+
+
+def _value(metrics: list[Metric], pattern: str, op: str) -> float | None:
+    """The requirement's binding value in one result: the worst of the metrics it matches
+    (the lowest where it must be at least, the highest where at most)."""
+    found = [
+        float(m.value)
+        for m in metrics
+        if fnmatch.fnmatchcase(m.name, pattern) and isinstance(m.value, int | float)
+    ]
+    if not found:
+        return None
+    return min(found) if op in (">=", ">") else max(found)
+
+
+def requirements(
+    require: dict[str, str], newest: GateResult | None
+) -> list[tuple[str, str, float]]:
+    """(pattern, op, limit) for each numeric requirement; a criterion that names none follows
+    the thresholds its gate recorded."""
+    if require:
+        out = []
+        for pattern, text in require.items():
+            op, limit = parse_threshold(text)
+            if op in (">=", ">", "<=", "<"):
+                out.append((pattern, op, limit))
+        return out
+    if newest is None:
+        return []
+    return [
+        (m.name, m.comparison, float(m.threshold))
+        for m in newest.metrics
+        if m.comparison in (">=", ">", "<=", "<") and m.threshold is not None
+    ]
+
+
+def trend_of(
+    history: list[GateResult],
+    pattern: str,
+    op: str,
+    limit: float,
+    *,
+    met: bool,
+    now: datetime,
+    theilslopes: Callable[..., object] | None,
+) -> Trend:
+    """`history` newest first, as the store lists it."""
+    points = [
+        TrendPoint(
+            at=r.ended_at,
+            value=v,
+            engine_version=r.provenance.engine_version,
+            evidence_id=r.id,
+        )
+        for r in reversed(history)
+        if (v := _value(r.metrics, pattern, op)) is not None
+    ]
+    base = {"metric": pattern, "threshold": f"{op} {limit:g}", "points": len(points)}
+    recent = points[-RECENT:]
+    if len(recent) < MIN_POINTS:
+        return Trend(
+            **base,
+            direction="too few points",
+            reason=f"too few points ({len(recent)} result{'s' if len(recent) != 1 else ''})",
+            history=points,
+        )
+    if theilslopes is None:
+        return Trend(
+            **base,
+            direction="too few points",
+            reason="no forecast: scipy is not installed (pip install 'kdctl[trends]')",
+            history=points,
+        )
+    t0 = recent[0].at
+    days = [(p.at - t0).total_seconds() / 86400 for p in recent]
+    values = [p.value for p in recent]
+    fit = theilslopes(values, days)
+    slope = float(fit.slope)  # type: ignore[attr-defined]
+    low, high = float(fit.low_slope), float(fit.high_slope)  # type: ignore[attr-defined]
+    intercept = float(fit.intercept)  # type: ignore[attr-defined]
+    regression = _regression(points, days, values, op, theilslopes)
+    rising = op in (">=", ">")
+    span = max(days[-1] - days[0], 1e-9)
+    # Flat: over the span it was watched, the line moved less than 1% of the threshold.
+    if abs(slope) * span < 0.01 * max(abs(limit), 1e-9):
+        direction: Direction = "flat"
+    else:
+        direction = "toward" if (slope > 0) == rising else "away"
+    trend = Trend(
+        **base,
+        direction=direction,
+        slope_per_day=round(slope, 6),
+        history=points,
+        regression=regression,
+        reason="",
+    )
+    if met:
+        trend.reason = f"met; {direction}, {slope:+.4g}/day"
+        return trend
+    if direction != "toward":
+        trend.reason = "moving away" if direction == "away" else "flat"
+        return trend
+    last_day = days[-1]
+    current = intercept + slope * last_day
+    at_last = recent[-1].at
+
+    def crossing(s: float) -> datetime | None:
+        if s == 0 or (s > 0) != rising:
+            return None
+        return at_last + timedelta(days=(limit - current) / s)
+
+    eta = crossing(slope)
+    if eta is None or eta < at_last:
+        trend.reason = "the fitted line already holds; the newest result does not"
+        return trend
+    trend.eta = eta
+    fast, slow = crossing(high if rising else low), crossing(low if rising else high)
+    if fast is not None and slow is not None:
+        trend.eta_range = (min(fast, slow), max(fast, slow))
+    ahead = (eta - now).days
+    trend.reason = f"about {eta:%Y-%m-%d} ({ahead} days) if {pattern} keeps moving {slope:+.4g}/day"
+    return trend
+
+
+def _regression(
+    points: list[TrendPoint],
+    days: list[float],
+    values: list[float],
+    op: str,
+    theilslopes: Callable[..., object],
+) -> str | None:
+    """The newest point against the trend of the ones before it: flagged when it is worse
+    than the line predicts by more than the points' own scatter (and 5% of the value)."""
+    if len(values) < MIN_POINTS + 1:
+        return None
+    fit = theilslopes(values[:-1], days[:-1])
+    slope, intercept = float(fit.slope), float(fit.intercept)  # type: ignore[attr-defined]
+    residuals = [v - (intercept + slope * d) for v, d in zip(values[:-1], days[:-1], strict=True)]
+    scatter = statistics.median(abs(r) for r in residuals) * 3
+    expected = intercept + slope * days[-1]
+    worse = expected - values[-1] if op in (">=", ">") else values[-1] - expected
+    if worse <= max(scatter, 0.05 * abs(expected)):
+        return None
+    new, before = points[-1], points[-2]
+    return (
+        f"{new.value:.4g} against {expected:.4g} expected from the trend"
+        f" (engine {before.engine_version or '?'} -> {new.engine_version or '?'})"
+    )
+
+
+def load_theilslopes() -> Callable[..., object] | None:
+    try:
+        from scipy.stats import theilslopes
+    except ImportError:
+        return None
+    return theilslopes  # type: ignore[no-any-return]

@@ -1,0 +1,179 @@
+""" "Now or soon": trends and forecasts from the evidence history. Histories are carried in by
+kdctl's own import path, from exports whose results ended days and weeks ago, as a CI job's
+results reach a laptop."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import kdctl, write_inventory
+from tests.support.sshd import free_port
+
+pytest.importorskip("scipy")
+
+ROADMAP = {
+    "title": "Trend test",
+    "serving": "baseline",
+    "candidate": "candidate",
+    "phases": [
+        {
+            "id": "throughput-parity",
+            "title": "Throughput parity",
+            "criteria": [
+                {
+                    "gate": "throughput",
+                    "require": {"*.ratio": ">= 1.0"},
+                }
+            ],
+        },
+        {
+            "id": "cutover",
+            "title": "Cutover",
+            "depends_on": ["throughput-parity"],
+            "criteria": [{"name": "soak", "gate": "sign-off"}],
+        },
+    ],
+}
+
+
+def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
+    """An inventory, and a history of throughput results (days ago, ratio, engine version)
+    imported through `kdctl evidence import`."""
+    from kdctl.checks._gate import gate_settings
+    from kdctl.checks.result import GateResult, Metric, Provenance
+    from kdctl.evidence import EvidenceStore, export_evidence
+    from kdctl.inventory import load_inventory
+
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    inv_path = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                name: {"kind": "sglang", "host": "local", "url": f"http://127.0.0.1:{free_port()}"}
+                for name in ("baseline", "candidate")
+            },
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    settings = gate_settings(load_inventory(inv_path), "throughput")
+    now = datetime.now(timezone.utc)
+    with EvidenceStore(tmp_path / "ci.sqlite") as ci:
+        for days_ago, ratio, version in series:
+            ended = now - timedelta(days=days_ago)
+            ci.record(
+                GateResult(
+                    gate="throughput",
+                    backend="candidate",
+                    baseline="baseline",
+                    verdict="pass" if ratio >= 1.0 else "fail",
+                    metrics=[Metric(name="c8.ratio", value=ratio, threshold=1.0, comparison=">=")],
+                    provenance=Provenance(engine_version=version),
+                    settings=settings,
+                    started_at=ended - timedelta(minutes=5),
+                    ended_at=ended,
+                )
+            )
+        export = tmp_path / "ci-evidence.json"
+        export.write_text(export_evidence(ci).model_dump_json())
+    imported = kdctl("evidence", "import", str(export), "-i", str(inv_path))
+    assert imported.code == 0, imported.err
+    return inv_path
+
+
+def _criterion(inv: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    run = kdctl("phases", "-i", str(inv), "--json")
+    assert run.code in (0, 1), run.err
+    doc = json.loads(run.out)
+    return doc["phases"][0]["criteria"][0], doc["answers"]
+
+
+def test_rising_toward_the_threshold_gives_a_date_with_a_range(tmp_path: Path) -> None:
+    # 0.42, 0.55, 0.61, 0.78 over six weeks: about 0.0086 a day, 1.0 some 25 days on.
+    inv = _setup(
+        tmp_path,
+        [(42, 0.42, "b1"), (28, 0.55, "b2"), (14, 0.61, "b3"), (1, 0.78, "b4")],
+    )
+    c, answers = _criterion(inv)
+    t = c["trend"]
+    assert (t["points"], t["direction"]) == (4, "toward")
+    assert 0.005 < t["slope_per_day"] < 0.015
+    eta = datetime.fromisoformat(t["eta"])
+    now = datetime.now(timezone.utc)
+    assert now + timedelta(days=10) < eta < now + timedelta(days=60), eta
+    low, high = (datetime.fromisoformat(x) for x in t["eta_range"])
+    assert low <= eta <= high
+    soon = answers["cutover"]["soon"]
+    assert soon["limited_by"] == "throughput-parity/throughput:candidate"
+    assert datetime.fromisoformat(soon["eta"]) == eta
+    status = kdctl("status", "-i", str(inv), "--timeout", "3")
+    line = " ".join(status.out.split())
+    assert f"soon: about {eta:%Y-%m-%d}" in line, line
+    assert "if throughput-parity/throughput:candidate keeps moving +0.00" in line
+    phases = " ".join(kdctl("phases", "-i", str(inv)).out.split())
+    assert f"ETA {eta:%Y-%m-%d}" in phases
+
+
+def test_falling_away_gives_no_date(tmp_path: Path) -> None:
+    inv = _setup(tmp_path, [(30, 0.9, "b1"), (20, 0.8, "b2"), (10, 0.7, "b3"), (1, 0.6, "b4")])
+    c, answers = _criterion(inv)
+    assert (c["trend"]["direction"], c["trend"]["eta"]) == ("away", None)
+    assert answers["cutover"]["soon"]["eta"] is None
+    assert "moving away" in answers["cutover"]["soon"]["detail"]
+
+
+def test_two_points_give_no_date(tmp_path: Path) -> None:
+    inv = _setup(tmp_path, [(10, 0.5, "b1"), (1, 0.7, "b2")])
+    c, answers = _criterion(inv)
+    assert (c["trend"]["direction"], c["trend"]["eta"], c["trend"]["points"]) == (
+        "too few points",
+        None,
+        2,
+    )
+    assert "too few points (2 results)" in answers["cutover"]["soon"]["detail"]
+
+
+def test_one_outlier_does_not_flip_the_direction(tmp_path: Path) -> None:
+    inv = _setup(
+        tmp_path,
+        [
+            (50, 0.5, "b1"),
+            (40, 0.55, "b2"),
+            (30, 0.6, "b3"),
+            (20, 0.05, "b4"),
+            (10, 0.7, "b5"),
+            (1, 0.75, "b6"),
+        ],
+    )
+    c, _ = _criterion(inv)
+    assert c["trend"]["direction"] == "toward" and c["trend"]["eta"] is not None
+    assert 0.004 < c["trend"]["slope_per_day"] < 0.01
+
+
+def test_a_regression_after_a_new_build_is_flagged(tmp_path: Path) -> None:
+    inv = _setup(
+        tmp_path,
+        [(40, 0.80, "b1"), (30, 0.84, "b2"), (20, 0.88, "b3"), (10, 0.92, "b4"), (1, 0.71, "b5")],
+    )
+    c, answers = _criterion(inv)
+    regression = c["trend"]["regression"]
+    assert regression and "(engine b4 -> b5)" in regression, c["trend"]
+    assert any("throughput:candidate" in r and "b4 -> b5" in r for r in answers["regressions"])
+    status = kdctl("status", "-i", str(inv), "--timeout", "3")
+    assert "Regressions: throughput-parity/throughput:candidate" in " ".join(status.out.split())
+
+
+def test_a_met_criterion_shows_its_trend_without_a_date(tmp_path: Path) -> None:
+    inv = _setup(tmp_path, [(30, 0.9, "b1"), (20, 0.95, "b2"), (10, 1.0, "b3"), (1, 1.05, "b4")])
+    c, _ = _criterion(inv)
+    assert c["met"] is True
+    t = c["trend"]
+    assert (t["direction"], t["eta"], t["points"]) == ("toward", None, 4)
+    assert t["reason"].startswith("met; toward")

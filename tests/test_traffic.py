@@ -597,8 +597,18 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
                 subprocess.run(["kill", "--", f"-{pid.read_text().strip()}"], check=False)
 
 
+@pytest.mark.parametrize(
+    ("strategy", "rows_per_run"),
+    [
+        # The forced preflight; set-weights (started, written, done), watch (started, done),
+        # set-weights again.
+        ("canary", 9),
+        # The forced preflight; one set-weights (started, written, done).
+        ("blue-green", 4),
+    ],
+)
 def test_sigkill_after_each_journal_step_then_resume_or_rollback(
-    front: dict[str, Any], report: Any
+    front: dict[str, Any], report: Any, strategy: str, rows_per_run: int
 ) -> None:
     """kdctl killed with SIGKILL right after each journal row in turn, under a probe load
     through the front. Right after the kill, status says what nginx runs (a file written and
@@ -611,9 +621,7 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
     inv = str(front["inv"])
     state = front["inv"].parent / "state"
     base = [sys.executable, "-m", "kdctl"]
-    # The forced preflight; set-weights (started, written, done), watch (started, done),
-    # set-weights again.
-    rows_per_run = 9
+    steps = ["--steps", "50,100", "--watch", "1"] if strategy == "canary" else []
     unapplied = 0
     with Load(front["url"]) as load:
         for k in range(1, rows_per_run):
@@ -628,10 +636,9 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
                     "cutover",
                     "--to",
                     "candidate",
-                    "--steps",
-                    "50,100",
-                    "--watch",
-                    "1",
+                    "--strategy",
+                    strategy,
+                    *steps,
                     "--force",
                     "--yes",
                     "-i",
@@ -680,8 +687,9 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
             after = json.loads(kdctl("status", "-i", inv, "--json").out)["answers"]["serving"]
             assert (after["backend"], after["routed"]["applied"]) == ("baseline", True), k
     report(
-        f"SIGKILL at each of {rows_per_run - 1} journal rows: {load.sent} requests through the "
-        f"front, {len(load.failures)} failed; {unapplied} kill(s) left a file written, not applied"
+        f"{strategy}, SIGKILL at each of {rows_per_run - 1} journal rows: {load.sent} requests "
+        f"through the front, {len(load.failures)} failed; {unapplied} kill(s) left a file "
+        "written, not applied"
     )
     assert load.sent > 0 and not load.failures, load.failures[:5]
 

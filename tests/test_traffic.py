@@ -589,6 +589,31 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         # The front is open again, on the candidate.
         r = httpx.get(f"http://127.0.0.1:{ports['front']}/health")
         assert r.headers["x-kdctl-backend"] == "candidate"
+
+        # Back, then a swap killed at each boundary where the engines change hands: after the
+        # drain, after the old engine stopped, while the new one starts. `kdctl rollback`
+        # brings the old engine back and the router to it, whatever the new one's state.
+        token_env = {"KDCTL_TEST_HUB_TOKEN": token}
+        assert kdctl("rollback", "--yes", "-i", inv, env=token_env, timeout=600).code == 0
+        db = tmp_path / "state" / "traffic.sqlite"
+        for kind, phase in (("drain", "done"), ("stop", "done"), ("start", "started")):
+            at = (
+                f"SELECT count(*) FROM steps WHERE kind = '{kind}' AND phase = '{phase}' AND "
+                "cutover_id = (SELECT id FROM cutovers WHERE state = 'running' "
+                "ORDER BY rowid DESC LIMIT 1)"
+            )
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("KDCTL_TEST_HUB_TOKEN", token)
+                _kill_when(
+                    ["cutover", "--to", "candidate", "--force", "--yes", "-i", inv], db, at, 1
+                )
+            back = kdctl("rollback", "--yes", "-i", inv, env=token_env, timeout=600)
+            assert back.code == 0, (kind, back.out, back.err)
+            assert weights(include) == {"baseline": 100}, kind
+            assert httpx.get(backends["baseline"]["url"] + "/health").status_code == 200, kind
+            serving = json.loads(kdctl("status", "-i", inv, "--json", env=token_env).out)
+            answer = serving["answers"]["serving"]
+            assert (answer["state"], answer["backend"]) == ("serving", "baseline"), kind
     finally:
         stop_nginx(pidfile)
         for name in backends:

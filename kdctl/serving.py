@@ -28,15 +28,14 @@ from kdctl.backends.health import BackendState
 from kdctl.errors import KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
-from kdctl.traffic import make_router
+from kdctl.traffic import BACKEND_HEADER, make_router
 from kdctl.transports import TransportPool
 
 ServingState = Literal["serving", "degraded", "nothing", "unknown"]
 
-# Headers the nginx configuration kdctl writes adds to every answer: the upstream address(es)
-# nginx tried, and the backend name its map gives the last one.
+# The nginx configuration kdctl writes names every upstream address nginx tried, the answering
+# one last (beside BACKEND_HEADER, the name its map gives a single address).
 UPSTREAM_HEADER = "X-Kdctl-Upstream"
-BACKEND_HEADER = "X-Kdctl-Backend"
 
 # A one-token greedy generation: the cheapest request that proves an engine serves, not only
 # that its HTTP server is up. Token 1 exists in every vocabulary.

@@ -500,29 +500,15 @@ def restore(
             _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "done")
             idx += 1
     weights = {plan.from_backend: 100, plan.to_backend: 0}
+    detail = {"weights": weights}
+    record_step = partial(_best_effort, journal.step, cid, idx, "rollback-set-weights", detail)
     live = router.read()
     # A file that says so but was never loaded (kdctl killed before the reload) is no proof.
     if live.weights == {plan.from_backend: 100} and not live.draining and live.applied is not False:
         # The failed step never took: rewriting the router would only be a needless reload.
-        _best_effort(
-            journal.step,
-            cid,
-            idx,
-            "rollback-set-weights",
-            {"weights": weights},
-            "done",
-            "unchanged",
-        )
+        record_step("done", "unchanged")
         return live
-    _best_effort(journal.step, cid, idx, "rollback-set-weights", {"weights": weights}, "started")
+    record_step("started")
     state = router.apply(weights)
-    _best_effort(
-        journal.step,
-        cid,
-        idx,
-        "rollback-set-weights",
-        {"weights": weights},
-        "done",
-        str(state.weights),
-    )
+    record_step("done", str(state.weights))
     return state

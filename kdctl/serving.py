@@ -28,7 +28,7 @@ from kdctl.backends.health import BackendState
 from kdctl.errors import KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
-from kdctl.traffic import BACKEND_HEADER, make_router
+from kdctl.traffic import BACKEND_HEADER, front_url, make_router
 from kdctl.transports import TransportPool
 
 ServingState = Literal["serving", "degraded", "nothing", "unknown"]
@@ -136,7 +136,7 @@ def probe_serving(
                 state = router.read()
         except KdctlError as exc:
             routed.error = str(exc)
-            router_front = _front_url(inv)
+            router_front = front_url(inv, spec)
         else:
             routed = Routed(
                 weights=state.weights,
@@ -152,17 +152,6 @@ def probe_serving(
         engines = [engine(n, weighted.get(n, 0)) for n in names]
         front = _ask_front(inv, client, router_front, spec.kind, weighted, engines, timeout_s)
     return _judge(inv, spec.kind, spec.listen, spec.host, routed, front, engines)
-
-
-def _front_url(inv: LoadedInventory) -> str:
-    spec = inv.spec.router
-    assert spec is not None
-    host, _, port = spec.listen.rpartition(":")
-    host = host.strip("[]")
-    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on, not binds
-        h = inv.hosts[spec.host]
-        host = "127.0.0.1" if h.transport == "local" else (h.address or "127.0.0.1")
-    return f"http://{host}:{port}"
 
 
 def _service_text(svc: ServiceState) -> str:

@@ -9,6 +9,7 @@ from kdctl.traffic._router import (
     Router,
     RouterError,
     RouterState,
+    front_url,
 )
 from kdctl.traffic.journal import CutoverRecord, Journal, LockHeld
 from kdctl.traffic.routers import make_router
@@ -22,5 +23,6 @@ __all__ = [
     "Router",
     "RouterError",
     "RouterState",
+    "front_url",
     "make_router",
 ]

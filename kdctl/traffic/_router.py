@@ -59,15 +59,7 @@ class Router(abc.ABC):
 
     @property
     def front_url(self) -> str:
-        host, _, port = self.spec.listen.rpartition(":")
-        host = host.strip("[]")
-        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on, not binds
-            host = (
-                "127.0.0.1"
-                if self.inv.hosts[self.spec.host].transport == "local"
-                else (self.inv.hosts[self.spec.host].address or "127.0.0.1")
-            )
-        return f"http://{host}:{port}"
+        return front_url(self.inv, self.spec)
 
     @abc.abstractmethod
     def read(self) -> RouterState:
@@ -92,6 +84,16 @@ class Router(abc.ABC):
         except httpx.HTTPError:
             return None
         return r.headers.get(BACKEND_HEADER) or None
+
+
+def front_url(inv: LoadedInventory, spec: RouterSpec) -> str:
+    """Where clients reach the router: its listen address, a wildcard one taken as the host's."""
+    host, _, port = spec.listen.rpartition(":")
+    host = host.strip("[]")
+    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on, not binds
+        h = inv.hosts[spec.host]
+        host = "127.0.0.1" if h.transport == "local" else (h.address or "127.0.0.1")
+    return f"http://{host}:{port}"
 
 
 def check_weights(inv: LoadedInventory, weights: dict[str, int]) -> None:

@@ -219,18 +219,25 @@ def test_silent_host_times_out_at_connect(fleet: SshdFleet) -> None:
 
 
 def test_one_transport_serves_threads(fleet: SshdFleet) -> None:
+    """Commands that end at once, with and without stdin, from eight threads on one
+    connection: none may end the connection under the others (an EOF sent after the
+    channel's CLOSE makes sshd drop the connection)."""
     with ssh(fleet, "gpu") as t:
         results: list[str] = []
 
         def work(i: int) -> None:
-            results.append(t.run(["echo", str(i)]).stdout.strip())
+            for _ in range(10):
+                if i % 2:
+                    results.append(t.run(["echo", str(i)]).stdout.strip())
+                else:
+                    results.append(t.run(["cat"], stdin=str(i).encode()).stdout)
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        assert sorted(results, key=int) == [str(i) for i in range(8)]
+        assert sorted(results, key=int) == [str(i) for i in range(8) for _ in range(10)]
 
 
 def test_output_written_after_the_command_exits_is_not_lost(fleet: SshdFleet) -> None:

@@ -290,7 +290,15 @@ class SSHTransport(Transport):
             raise TransportError(self.name, "empty command")
         client = self._connected()
         # The remote side is a shell: every argument is quoted, so it arrives as one literal.
-        command = f"timeout -k 1 {timeout:g} {shlex.join(args)}"
+        # stdin never ends with an EOF from here: paramiko sends a channel's EOF outside its
+        # lock, so it can follow the CLOSE of a command that already exited, and sshd then
+        # drops the whole connection with every other thread's command on it. The remote end
+        # reads exactly the bytes sent, or nothing.
+        if stdin is None:
+            command = f"timeout -k 1 {timeout:g} {shlex.join(args)} </dev/null"
+        else:
+            feed = shlex.quote(f'head -c {len(stdin)} | "$@"')
+            command = f"timeout -k 1 {timeout:g} sh -c {feed} sh {shlex.join(args)}"
         started = time.monotonic()
         deadline = started + timeout + _REMOTE_GRACE_S
         try:
@@ -307,9 +315,8 @@ class SSHTransport(Transport):
         out, err = bytearray(), bytearray()
         try:
             chan.exec_command(command)
-            if stdin is not None:
+            if stdin:
                 chan.sendall(stdin)
-            chan.shutdown_write()
             while True:
                 while chan.recv_ready():
                     out += chan.recv(65536)

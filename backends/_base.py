@@ -34,13 +34,14 @@ class Backend(abc.ABC):
         spec: BackendSpec,
         *,
         api_key: SecretStr | None = None,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         client: httpx.Client | None = None,
     ) -> None:
         self.name = name
         self.spec = spec
         self.api_key = api_key
-        self.timeout = timeout
+        # A probe passes its own, shorter deadline; gates and cutovers keep the engine's.
+        self.timeout = spec.request_timeout_s if timeout is None else timeout
 
     @property
     def where(self) -> str:
@@ -120,7 +121,7 @@ class HttpBackend(Backend):
         spec: BackendSpec,
         *,
         api_key: SecretStr | None = None,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         client: httpx.Client | None = None,
     ) -> None:
         super().__init__(name, spec, api_key=api_key, timeout=timeout)
@@ -128,7 +129,9 @@ class HttpBackend(Backend):
             raise InputError(f"backend {name} has no url")
         from kdctl.backends._http import HttpSession
 
-        self.http = HttpSession(name, spec.url, api_key=api_key, timeout=timeout, client=client)
+        self.http = HttpSession(
+            name, spec.url, api_key=api_key, timeout=self.timeout, client=client
+        )
 
     def close(self) -> None:
         self.http.close()

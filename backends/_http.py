@@ -71,8 +71,7 @@ class HttpSession:
             return
         url = self.url(path)
         try:
-            resp.read()
-            body = resp.text[:300]
+            body = _prefix(resp, 300)
         except httpx.HTTPError:
             body = ""
         if resp.status_code in (401, 403):
@@ -83,15 +82,49 @@ class HttpSession:
             raise BackendNotReady(self.backend, url, f"not ready yet (HTTP 503) {body}".strip())
         raise BackendHTTPError(self.backend, url, resp.status_code, body)
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    def deadline(self) -> float:
+        """When an exchange begun now must have ended: the session's timeout bounds the whole
+        answer, not each read, so an engine that trickles bytes forever is stopped too."""
+        return time.perf_counter() + self.timeout
+
+    def read_body(self, resp: httpx.Response, path: str, deadline: float) -> bytes:
+        """A response's whole body, by the deadline and within MAX_ANSWER_BYTES."""
+        buf = bytearray()
+        for chunk in resp.iter_bytes():
+            buf += chunk
+            if len(buf) > MAX_ANSWER_BYTES:
+                raise BackendProtocolError(
+                    self.backend,
+                    self.url(path),
+                    f"the answer exceeds {MAX_ANSWER_BYTES >> 20} MiB, more than any engine's "
+                    "answer holds",
+                )
+            if time.perf_counter() > deadline:
+                raise BackendTimeout(
+                    self.backend, self.url(path), f"the answer did not end within {self.timeout:g}s"
+                )
+        return bytes(buf)
+
+    def lines(self, resp: httpx.Response, path: str, deadline: float) -> Iterator[str]:
+        """A streamed response's lines, until the deadline."""
+        for line in resp.iter_lines():
+            if time.perf_counter() > deadline:
+                raise BackendTimeout(
+                    self.backend, self.url(path), f"the stream did not end within {self.timeout:g}s"
+                )
+            yield line
+
+    def fetch(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
+        """The body of a successful answer; a failure of any kind as a typed error."""
+        deadline = self.deadline()
         try:
-            resp = self._client.request(
+            with self._client.stream(
                 method, self.url(path), json=body, headers=self._headers, timeout=self.timeout
-            )
+            ) as resp:
+                self._check(path, resp)
+                return self.read_body(resp, path, deadline)
         except httpx.HTTPError as exc:
             raise self._fail(path, exc) from None
-        self._check(path, resp)
-        return resp
 
     def health(self, path: str = "/health") -> HealthResult:
         return probe_health(self._client, self.base_url, api_key=self._key, path=path)
@@ -100,7 +133,7 @@ class HttpSession:
         """Prometheus families by name; `{}` where the engine exports none (SGLang mounts
         /metrics only with --enable-metrics)."""
         try:
-            text = self.request("GET", "/metrics").text
+            text = self.fetch("GET", "/metrics").decode(errors="replace")
         except BackendHTTPError as exc:
             if exc.status == 404:
                 return {}
@@ -111,43 +144,49 @@ class HttpSession:
             raise BackendProtocolError(self.backend, self.url("/metrics"), str(exc)) from None
 
     def json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        resp = self.request(method, path, body)
+        content = self.fetch(method, path, body)
         try:
-            return load_json(resp.content, self.url(path), max_bytes=MAX_ANSWER_BYTES)
+            return load_json(content, self.url(path), max_bytes=MAX_ANSWER_BYTES)
         except InputError as exc:
             raise BackendProtocolError(self.backend, self.url(path), str(exc)) from None
         except (json.JSONDecodeError, UnicodeDecodeError):
+            text = content[:120].decode(errors="replace")
             raise BackendProtocolError(
-                self.backend, self.url(path), f"answer is not JSON: {resp.text[:120]!r}"
+                self.backend, self.url(path), f"answer is not JSON: {text!r}"
             ) from None
 
     def events(self, path: str, body: dict[str, Any]) -> Iterator[tuple[float, Any]]:
         """POST and read server-sent events: (arrival time, parsed JSON) until `[DONE]`.
 
-        A stream that ends without `[DONE]` was cut off, and says so. The whole stream has
-        the session's timeout, not each read: an engine that streams forever is stopped.
+        A stream that ends without `[DONE]` was cut off, and says so.
         """
         url = self.url(path)
-        deadline = time.perf_counter() + self.timeout
+        deadline = self.deadline()
         try:
             with self._client.stream(
                 "POST", url, json=body, headers=self._headers, timeout=self.timeout
             ) as resp:
                 self._check(path, resp)
-                for line in resp.iter_lines():
-                    now = time.perf_counter()
-                    if now > deadline:
-                        raise BackendTimeout(
-                            self.backend, url, f"the stream did not end within {self.timeout:g}s"
-                        )
+                for line in self.lines(resp, path, deadline):
+                    arrived = time.perf_counter()
                     data = sse_data(self.backend, url, line)
                     if data is DONE:
                         return
                     if data is not None:
-                        yield now, data
+                        yield arrived, data
         except httpx.HTTPError as exc:
             raise self._fail(path, exc) from None
         raise BackendProtocolError(self.backend, url, "the stream ended without [DONE]")
+
+
+def _prefix(resp: httpx.Response, size: int) -> str:
+    """The start of an error's body, for the message; the rest is never read."""
+    buf = b""
+    for chunk in resp.iter_bytes():
+        buf += chunk
+        if len(buf) >= size:
+            break
+    return buf[:size].decode(errors="replace")
 
 
 # The end-of-stream marker SGLang, vLLM and OpenAI send as `data: [DONE]`.

@@ -39,7 +39,9 @@ def probe_health(
     headers = bearer(api_key)
     started = time.monotonic()
     try:
-        resp = client.get(f"{url}{path}", headers=headers, timeout=timeout)
+        # Only the status counts: a body that never ends must not hold the probe.
+        with client.stream("GET", f"{url}{path}", headers=headers, timeout=timeout) as resp:
+            code = resp.status_code
     except httpx.ConnectError as exc:
         reason = "connection refused" if "refused" in str(exc).lower() else f"unreachable: {exc}"
         return HealthResult(state="down", detail=reason)
@@ -48,7 +50,6 @@ def probe_health(
     except httpx.HTTPError as exc:
         return HealthResult(state="unknown", detail=f"{type(exc).__name__}: {exc}")
     latency = round((time.monotonic() - started) * 1000, 2)
-    code = resp.status_code
     if code == 200:
         return HealthResult(state="up", latency_ms=latency, status_code=code)
     if code == 503:

@@ -53,7 +53,7 @@ class NativeCommandBackend(Backend):
         spec: BackendSpec,
         *,
         api_key: SecretStr | None = None,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         client: httpx.Client | None = None,
         transport: Transport | None = None,
     ) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from kdctl.backends import Backend, HttpBackend
+from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.backends.health import bearer
 from kdctl.checks._gate import Gate, GateContext, provenance_of
 from kdctl.checks.result import Baseline, GateResult, Metric, content_hash, decide, utcnow
@@ -131,23 +132,25 @@ def _fill(body: Any, model: str) -> Any:
 
 
 def answer(client: httpx.Client, be: HttpBackend, probe: Probe, model: str) -> dict[str, Any]:
-    """One probe's answer, reduced to what conformance compares."""
+    """One probe's answer, reduced to what conformance compares. A refused connection is an
+    answer to compare; an answer that does not end by the backend's deadline ends the gate."""
+    http = be.http
     headers = {**bearer(be.api_key)}
-    url = be.http.url(probe.path)
     kwargs: dict[str, Any] = {"headers": headers}
     if probe.raw is not None:
         kwargs["content"] = probe.raw
         headers["content-type"] = "application/json"
     elif probe.body is not None:
         kwargs["json"] = _fill(probe.body, model)
+    deadline = http.deadline()
     try:
-        with client.stream(probe.method, url, **kwargs) as resp:
+        with client.stream(probe.method, http.url(probe.path), **kwargs) as resp:
             ctype = resp.headers.get("content-type", "").split(";")[0].strip()
             out: dict[str, Any] = {"status": resp.status_code, "content_type": ctype}
             if ctype == "text/event-stream":
                 events: Any = {}
                 done = False
-                for line in resp.iter_lines():
+                for line in http.lines(resp, probe.path, deadline):
                     if not line.startswith("data:"):
                         continue
                     payload = line[5:].strip()
@@ -160,29 +163,34 @@ def answer(client: httpx.Client, be: HttpBackend, probe: Probe, model: str) -> d
                         out["bad_event"] = payload[:80]
                 out.update(event=events, ends_with_done=done)
             else:
-                resp.read()
+                content = http.read_body(resp, probe.path, deadline)
                 try:
-                    out["body"] = shape(resp.json()) if resp.content else None
+                    out["body"] = shape(json.loads(content)) if content else None
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     out["body"] = "not json"
             return out
+    except httpx.TimeoutException:
+        raise BackendTimeout(
+            be.name, http.url(probe.path), f"no answer within {http.timeout:g}s"
+        ) from None
     except httpx.HTTPError as exc:
         return {"status": None, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def _served_model(be: HttpBackend, client: httpx.Client) -> str:
+def _served_model(be: HttpBackend) -> str:
     try:
-        resp = client.get(be.http.url("/v1/models"), headers=bearer(be.api_key))
-        return str(resp.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+        return str(be.http.json("GET", "/v1/models")["data"][0]["id"])
+    except BackendTimeout:
+        raise
+    except (BackendError, KeyError, IndexError, TypeError):
         return be.spec.served_model_name or be.spec.model or "default"
 
 
-def observe(be: Backend, timeout: float = 60.0) -> dict[str, Any]:
+def observe(be: Backend) -> dict[str, Any]:
     if not isinstance(be, HttpBackend):
         raise InputError(f"backend {be.name}: api-conformance needs a served HTTP API")
-    with httpx.Client(timeout=timeout) as client:
-        model = _served_model(be, client)
+    model = _served_model(be)
+    with httpx.Client(timeout=be.http.timeout) as client:
         return {p.name: answer(client, be, p, model) for p in PROBES}
 
 

@@ -23,7 +23,7 @@ from kdctl.checks.result import (
     decide,
     utcnow,
 )
-from kdctl.errors import InputError, KdctlError
+from kdctl.errors import InfraError, InputError, KdctlError
 from kdctl.inventory.models import ThroughputSettings
 from kdctl.load import SLO, BenchMetrics, LoadPlan, Progress, run_load
 
@@ -117,6 +117,19 @@ def record_throughput(ctx: GateContext, backend: str) -> Baseline:
     with ctx.backend(backend) as be:
         info = be.info()
         points = measure(ctx, be, settings, requests)
+    # A baseline with failed requests would hold every later candidate to a figure that was
+    # not measured (0 tok/s is passed by anything); the same allowance as the gate's.
+    failed = [
+        f"concurrency {p.max_concurrency}: {p.failed} of {p.requests} requests failed "
+        f"({'; '.join(p.errors[:2])})"
+        for p in points
+        if p.failed > settings.max_failed_requests or p.completed == 0
+    ]
+    if failed:
+        raise InfraError(
+            f"throughput baseline of {backend} not recorded: {'; '.join(failed)}; "
+            f"gates.throughput.max_failed_requests allows {settings.max_failed_requests}"
+        )
     return Baseline(
         backend=backend,
         kind="throughput",
@@ -158,7 +171,7 @@ class ThroughputGate(Gate):
             return self.errored(
                 ctx, backend, baseline, exc, info=info, workload=workload, started=started
             )
-        metrics, reasons, verdict = judge(settings, points, base_points)
+        metrics, reasons, verdict = judge(settings, points, base_points, backend=backend)
         if source:
             reasons.insert(0, f"compared with {source}")
         return GateResult(
@@ -182,6 +195,8 @@ def judge(
     settings: ThroughputSettings,
     points: list[BenchMetrics],
     base_points: list[BenchMetrics] | None,
+    *,
+    backend: str,
 ) -> tuple[list[Metric], list[str], Verdict]:
     """Every concurrency must hold the ratio and every SLO. A run in which every request failed
     measured nothing and fails; an SLO or ratio that could not be measured otherwise (no
@@ -217,12 +232,14 @@ def judge(
         if none_ok:
             # However many failures the settings allow, a run with no success has no figures.
             findings.append(
-                f"{at}: {p.failed} of {p.requests} requests failed, so nothing was measured "
+                f"{at}: {p.failed} of {p.requests} requests to {backend} failed, so nothing was "
+                "measured "
                 f"({'; '.join(p.errors[:3])})"
             )
         elif p.failed > settings.max_failed_requests:
             findings.append(
-                f"{at}: {p.failed} of {p.requests} requests failed ({'; '.join(p.errors[:3])})"
+                f"{at}: {p.failed} of {p.requests} requests to {backend} failed "
+                f"({'; '.join(p.errors[:3])})"
             )
         for stat, field in _SLOS:
             limit = getattr(settings, field)

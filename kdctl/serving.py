@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
@@ -68,14 +69,22 @@ class FrontAnswer(BaseModel):
 
 
 class EngineAnswer(BaseModel):
-    """A backend asked directly on its own URL."""
+    """A backend asked directly on its own URL: its health route, then, where that is up, a
+    one-token generation, since an HTTP server can answer health while generation is wedged."""
 
     name: str
     weight: int = 0
     state: BackendState
+    # True: it generated; false: it did not (detail says why); null: not asked, or refused
+    # kdctl for want of a key.
+    generated: bool | None = None
     latency_ms: float | None = None
     detail: str | None = None
     service: str | None = None
+
+    @property
+    def serves(self) -> bool:
+        return self.state == "up" and self.generated is not False
 
 
 class ServingProbe(BaseModel):
@@ -116,18 +125,25 @@ def probe_serving(
                 )
             h = known[name]
             svc = (services or {}).get(name)
+            generated, detail = (
+                _generate_once(inv, name, client, timeout_s) if h.state == "up" else (None, None)
+            )
             return EngineAnswer(
                 name=name,
                 weight=weight,
                 state=h.state,
+                generated=generated,
                 latency_ms=h.latency_ms,
-                detail=h.detail,
+                detail=detail or h.detail,
                 service=_service_text(svc) if svc else None,
             )
 
+        def ask_all(names: Mapping[str, int]) -> list[EngineAnswer]:
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                return list(pool.map(lambda n: engine(n, names[n]), names))
+
         if spec is None:
-            engines = [engine(n) for n, b in inv.backends.items() if b.url]
-            return _without_router(engines)
+            return _without_router(ask_all({n: 0 for n, b in inv.backends.items() if b.url}))
 
         routed = Routed()
         try:
@@ -149,9 +165,26 @@ def probe_serving(
             router_front = router.front_url
         weighted = {n: w for n, w in routed.weights.items() if w > 0 and n in inv.backends}
         names = list(weighted) + [n for n, b in inv.backends.items() if b.url and n not in weighted]
-        engines = [engine(n, weighted.get(n, 0)) for n in names]
+        engines = ask_all({n: weighted.get(n, 0) for n in names})
         front = _ask_front(inv, client, router_front, spec.kind, weighted, engines, timeout_s)
     return _judge(inv, spec.kind, spec.listen, spec.host, routed, front, engines)
+
+
+def _generate_once(
+    inv: LoadedInventory, name: str, client: httpx.Client, timeout_s: float
+) -> tuple[bool | None, str | None]:
+    try:
+        with make_backend(
+            name, inv.backends[name], api_key=inv.api_key(name), client=client, timeout=timeout_s
+        ) as be:
+            be.generate(_PROBE)
+    except BackendAuthError:
+        return None, "health answers; generation refuses kdctl's key"
+    except BackendError as exc:
+        return False, f"health answers, but a one-token generation fails: {exc}"
+    except KdctlError as exc:
+        return None, f"generation not tried: {exc}"
+    return True, None
 
 
 def _service_text(svc: ServiceState) -> str:
@@ -260,7 +293,8 @@ def _ask_front(
             detail=f"refused kdctl's request (HTTP {code}): no valid API key for the front",
         )
     if isinstance(error, BackendNotReady) or code is not None:
-        draining = resp is not None and "draining" in _text(resp)
+        # The error carries the start of the body, where a drain says so.
+        draining = "draining" in str(error)
         why = (
             "is draining (503 with Retry-After while engines swap)"
             if draining
@@ -272,13 +306,6 @@ def _ask_front(
             url=url, route=route, answered=False, backend=who, status_code=code, detail=why
         )
     return FrontAnswer(url=url, route=route, answered=None, detail=f"{error}")
-
-
-def _text(resp: httpx.Response) -> str:
-    try:
-        return resp.text[:200]
-    except httpx.HTTPError:
-        return ""
 
 
 def _answering_backend(
@@ -295,7 +322,7 @@ def _answering_backend(
         return resp.headers.get(BACKEND_HEADER) or None
     # SGLang's router names no backend per answer: the one listed worker that answers
     # directly, when there is exactly one.
-    up = [e.name for e in engines if e.weight > 0 and e.state == "up"]
+    up = [e.name for e in engines if e.weight > 0 and e.serves]
     return up[0] if len(up) == 1 else None
 
 
@@ -323,8 +350,8 @@ def _backend_at(inv: LoadedInventory, address: str) -> str | None:
 
 
 def _without_router(engines: list[EngineAnswer]) -> ServingProbe:
-    up = [e.name for e in engines if e.state == "up"]
-    others = [f"{e.name} is {_engine_words(e)}" for e in engines if e.state != "up"]
+    up = [e.name for e in engines if e.serves]
+    others = [f"{e.name} is {_engine_words(e)}" for e in engines if not e.serves]
     if up:
         detail = (
             "no router in the inventory; answering on their own URLs: "
@@ -349,7 +376,7 @@ def _without_router(engines: list[EngineAnswer]) -> ServingProbe:
 
 def _engine_words(e: EngineAnswer) -> str:
     words = {"up": "up", "down": "down", "starting": "not ready", "unknown": "not answering"}
-    text = words[e.state]
+    text = "up, not generating" if e.state == "up" and e.generated is False else words[e.state]
     why = [w for w in (e.detail, e.service) if w]
     return f"{text} ({'; '.join(why)})" if why else text
 
@@ -367,8 +394,8 @@ def _judge(
         f"{host}:{listen.rpartition(':')[2]}" if inv.hosts[host].transport != "local" else listen
     )
     weighted = [e for e in engines if e.weight > 0]
-    broken = [e for e in weighted if e.state != "up"]
-    idle_up = [e for e in engines if e.weight == 0 and e.state == "up" and e.name != front.backend]
+    broken = [e for e in weighted if not e.serves]
+    idle_up = [e for e in engines if e.weight == 0 and e.serves and e.name != front.backend]
     notes = [f"{e.name} (weight {e.weight}) is {_engine_words(e)}" for e in broken]
     if routed.error:
         notes.append(f"the router's weights were not read back ({routed.error})")

@@ -25,7 +25,7 @@ class ReferenceBackend(Backend):
         spec: BackendSpec,
         *,
         api_key: SecretStr | None = None,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         client: Any = None,
     ) -> None:
         super().__init__(name, spec, api_key=api_key, timeout=timeout)

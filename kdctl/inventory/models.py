@@ -250,6 +250,9 @@ class BackendSpec(_Model):
     command: str | list[str] | None = None
     workdir: HostPath = "/tmp"
     command_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # The longest one answer may take, start to end (a generation of max_new_tokens included):
+    # an engine that never answers, or never stops answering, fails the gate by then.
+    request_timeout_s: Annotated[float, Field(gt=0)] = 60.0
 
     @property
     def command_argv(self) -> list[str]:

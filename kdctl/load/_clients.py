@@ -10,6 +10,7 @@ four to six times the tokens a second httpx did, and more than vLLM's client.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import AsyncGenerator
 from typing import Any, ClassVar
 
@@ -76,6 +77,12 @@ class StreamClient(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None: ...
 
+    def failure(self, exc: BaseException) -> RequestFailed:
+        # A timeout's own text is empty; what it means is the limit that ran out.
+        if isinstance(exc, TimeoutError):
+            return RequestFailed(f"no answer within {self.timeout:g}s")
+        return RequestFailed(f"{type(exc).__name__}: {exc}")
+
 
 class HttpxClient(StreamClient):
     name = "httpx"
@@ -93,17 +100,24 @@ class HttpxClient(StreamClient):
     async def lines(self, url: str, body: dict[str, Any]) -> AsyncGenerator[list[str], None]:
         splitter = LineSplitter()
         try:
+            # httpx bounds each read; the whole request is bounded here, as aiohttp's total
+            # does, so an engine that streams forever is stopped.
+            deadline = time.monotonic() + self.timeout
             async with self._client.stream("POST", url, json=body, headers=self.headers) as resp:
                 if resp.status_code >= 400:
                     text = (await resp.aread()).decode(errors="replace")[:200]
                     raise RequestFailed(f"HTTP {resp.status_code}: {text}".strip())
                 async for data in resp.aiter_bytes():
+                    if time.monotonic() > deadline:
+                        raise RequestFailed(f"the stream did not end within {self.timeout:g}s")
                     if batch := splitter.feed(data):
                         yield batch
                 if batch := splitter.close():
                     yield batch
+        except self._httpx.TimeoutException:
+            raise RequestFailed(f"no answer within {self.timeout:g}s") from None
         except self._httpx.HTTPError as exc:
-            raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
+            raise self.failure(exc) from None
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -139,7 +153,7 @@ class AiohttpClient(StreamClient):
                 if batch := splitter.close():
                     yield batch
         except (self._aiohttp.ClientError, TimeoutError) as exc:
-            raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
+            raise self.failure(exc) from None
 
     async def aclose(self) -> None:
         await self._session.close()

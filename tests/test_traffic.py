@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -64,7 +65,11 @@ class Load:
     must be 2xx and complete, every stream must end with its final chunk."""
 
     url: str
+    # A client as HTTP asks: a 503 with Retry-After (the front while engines swap) is asked
+    # again, sooner than it says, until the deadline; not a lost request.
+    retry_draining: bool = False
     sent: int = 0
+    retried: int = 0
     failures: list[str] = field(default_factory=list)
     served_by: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -76,22 +81,33 @@ class Load:
             "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
             "stream": stream,
         }
+        deadline = time.monotonic() + 120
+        failure = None
         try:
-            if stream:
-                with client.stream("POST", self.url + "/generate", json=body) as r:
-                    lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
-                    ok = r.status_code == 200 and lines and lines[-1] == "data: [DONE]"
-                    who = r.headers.get("x-kdctl-backend", "?")
-                    if not ok:
-                        self.failures.append(f"stream HTTP {r.status_code}, ended {lines[-1:]}")
-            else:
-                r = client.post(self.url + "/generate", json=body)
-                who = r.headers.get("x-kdctl-backend", "?")
-                if r.status_code != 200 or "text" not in r.json():
-                    self.failures.append(f"HTTP {r.status_code}: {r.text[:80]}")
+            while True:
+                if stream:
+                    with client.stream("POST", self.url + "/generate", json=body) as r:
+                        lines = [ln for ln in r.iter_lines() if ln.startswith("data:")]
+                        ok = r.status_code == 200 and lines and lines[-1] == "data: [DONE]"
+                        failure = None if ok else f"stream HTTP {r.status_code}, ended {lines[-1:]}"
+                else:
+                    r = client.post(self.url + "/generate", json=body)
+                    ok = r.status_code == 200 and "text" in r.json()
+                    failure = None if ok else f"HTTP {r.status_code}: {r.text[:80]}"
+                draining = r.status_code == 503 and "retry-after" in r.headers
+                if not (failure and draining and self.retry_draining):
+                    break
+                if time.monotonic() > deadline:
+                    failure += " (still draining after 120 s)"
+                    break
+                self.retried += 1
+                time.sleep(0.2)
+            who = r.headers.get("x-kdctl-backend", "?")
             self.served_by[who] = self.served_by.get(who, 0) + 1
         except httpx.HTTPError as exc:
-            self.failures.append(f"{type(exc).__name__}: {exc}")
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure:
+            self.failures.append(failure)
         self.sent += 1
 
     def _loop(self, stream: bool) -> None:
@@ -434,7 +450,7 @@ def _service(root: Path, name: str, model: Path, port: int) -> dict[str, Any]:
 
 
 def test_swap_on_shared_gpus_stops_the_old_engine_first(
-    need_nginx: str, models: dict[str, Path], tmp_path: Path
+    need_nginx: str, models: dict[str, Path], tmp_path: Path, report: Any
 ) -> None:
     """Two engines declared on the same GPU: the old one must stop before the new one starts.
     A candidate failing its smoke gate (INT4, strict) is stopped and the old one restarted."""
@@ -590,30 +606,55 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         r = httpx.get(f"http://127.0.0.1:{ports['front']}/health")
         assert r.headers["x-kdctl-backend"] == "candidate"
 
-        # Back, then a swap killed at each boundary where the engines change hands: after the
-        # drain, after the old engine stopped, while the new one starts. `kdctl rollback`
-        # brings the old engine back and the router to it, whatever the new one's state.
+        # Back, then a swap SIGKILLed after each of its journal rows in turn, under a probe
+        # load through the front that honours Retry-After: right after the kill, status says
+        # what the front does; `--resume` (odd rounds) finishes the swap, `rollback` (even
+        # rounds, and after every resume) brings the old engine back and the router to it.
         token_env = {"KDCTL_TEST_HUB_TOKEN": token}
         assert kdctl("rollback", "--yes", "-i", inv, env=token_env, timeout=600).code == 0
         db = tmp_path / "state" / "traffic.sqlite"
-        for kind, phase in (("drain", "done"), ("stop", "done"), ("start", "started")):
-            at = (
-                f"SELECT count(*) FROM steps WHERE kind = '{kind}' AND phase = '{phase}' AND "
-                "cutover_id = (SELECT id FROM cutovers WHERE state = 'running' "
-                "ORDER BY rowid DESC LIMIT 1)"
-            )
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("KDCTL_TEST_HUB_TOKEN", token)
-                _kill_when(
-                    ["cutover", "--to", "candidate", "--force", "--yes", "-i", inv], db, at, 1
-                )
-            back = kdctl("rollback", "--yes", "-i", inv, env=token_env, timeout=600)
-            assert back.code == 0, (kind, back.out, back.err)
-            assert weights(include) == {"baseline": 100}, kind
-            assert httpx.get(backends["baseline"]["url"] + "/health").status_code == 200, kind
-            serving = json.loads(kdctl("status", "-i", inv, "--json", env=token_env).out)
-            answer = serving["answers"]["serving"]
-            assert (answer["state"], answer["backend"]) == ("serving", "baseline"), kind
+        # The forced preflight; drain, stop, start and smoke-gate (started, done each);
+        # set-weights (started, written, done).
+        rows_per_run = 12
+        front_url = f"http://127.0.0.1:{ports['front']}"
+        args = ["cutover", "--to", "candidate", "--force", "--yes", "-i", inv]
+        with pytest.MonkeyPatch.context() as mp, Load(front_url, retry_draining=True) as load:
+            mp.setenv("KDCTL_TEST_HUB_TOKEN", token)
+            for k in range(1, rows_per_run):
+                with sqlite3.connect(db) as conn:
+                    before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+                _kill_when(args, db, "SELECT count(*) FROM steps", before + k)
+                with Journal(tmp_path / "state") as journal:
+                    open_one = journal.latest(state="running")
+                assert open_one is not None, f"round {k}: the swap finished before the kill"
+                status = json.loads(kdctl("status", "-i", inv, "--json", "--timeout", "5").out)
+                answer = status["answers"]["serving"]
+                if answer["state"] == "serving":
+                    up = {e["name"] for e in answer["engines"] if e["generated"]}
+                    assert answer["backend"] in up, (k, answer["detail"])
+                else:
+                    assert "draining" in answer["detail"], (k, answer["detail"])
+                if k % 2:
+                    run = kdctl("cutover", "--resume", "--yes", "-i", inv, timeout=600)
+                    assert run.code == 0, (k, run.out, run.err)
+                    assert weights(include) == {"candidate": 100}, k
+                    assert not (tmp_path / "baseline.pid").exists(), k
+                back = kdctl("rollback", "--yes", "-i", inv, timeout=600)
+                assert back.code == 0, (k, back.out, back.err)
+                assert weights(include) == {"baseline": 100}, k
+                assert httpx.get(backends["baseline"]["url"] + "/health").status_code == 200, k
+                assert not (tmp_path / "candidate.pid").exists(), k
+                with Journal(tmp_path / "state") as journal:
+                    last = journal.get(open_one.id)
+                assert last is not None and last.state in ("succeeded", "rolled_back"), k
+                after = json.loads(kdctl("status", "-i", inv, "--json").out)["answers"]["serving"]
+                assert (after["state"], after["backend"]) == ("serving", "baseline"), k
+        report(
+            f"swap, SIGKILL at each of {rows_per_run - 1} journal rows: {load.sent} requests "
+            f"through the front, {len(load.failures)} failed, {load.retried} retries of a "
+            "draining front's 503 with Retry-After"
+        )
+        assert load.sent > 0 and not load.failures, load.failures[:5]
     finally:
         stop_nginx(pidfile)
         for name in backends:

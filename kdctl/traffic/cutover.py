@@ -486,6 +486,12 @@ def restore(
         record = None  # a damaged journal: the router is restored all the same
     idx = 1000 + (len(record.steps) if record else 0)
     if plan.strategy == "swap":
+        # Clients get 503 with Retry-After while the engines change hands, not a 502 from an
+        # engine stopped under them (the swap drained; its rollback drains too).
+        _best_effort(journal.step, cid, idx, "rollback-drain", {}, "started")
+        router.drain()
+        _best_effort(journal.step, cid, idx, "rollback-drain", {}, "done")
+        idx += 1
         for name, verb in ((plan.to_backend, "stop"), (plan.from_backend, "start")):
             spec = inv.backends[name]
             _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "started")

@@ -5,6 +5,7 @@ add kinds through the `kdctl.backends` entry-point group.
 """
 
 from kdctl.backends._base import Backend, HttpBackend, StreamCall, backend_class, make_backend
+from kdctl.backends._http import DONE, sse_data
 from kdctl.backends._types import (
     EngineInfo,
     FinishReason,
@@ -16,6 +17,7 @@ from kdctl.backends._types import (
 from kdctl.backends.health import HealthResult, probe_health
 
 __all__ = [
+    "DONE",
     "Backend",
     "EngineInfo",
     "FinishReason",
@@ -29,4 +31,5 @@ __all__ = [
     "backend_class",
     "make_backend",
     "probe_health",
+    "sse_data",
 ]

@@ -1,1 +1,54 @@
-"""Checks: the readiness gates, each deciding pass, fail or inconclusive from measurements."""
+"""Checks: the readiness gates, each deciding pass, fail or inconclusive from measurements.
+
+The public API: the `Gate` interface and the context it runs in, the registry (built-in gates
+and those installed under the `kdctl.checks` entry-point group), and the evidence a gate
+returns. A third-party gate subclasses `Gate` and registers itself under that group.
+"""
+
+from kdctl.checks._gate import (
+    BaselineLookup,
+    Gate,
+    GateContext,
+    ProgressHook,
+    freshness_window,
+    gate_class,
+    gate_settings,
+    gates,
+    provenance_for,
+    provenance_of,
+    with_settings,
+)
+from kdctl.checks.result import (
+    Baseline,
+    BaselineKind,
+    GateResult,
+    Metric,
+    Provenance,
+    Verdict,
+    content_hash,
+    decide,
+    utcnow,
+)
+
+__all__ = [
+    "Baseline",
+    "BaselineKind",
+    "BaselineLookup",
+    "Gate",
+    "GateContext",
+    "GateResult",
+    "Metric",
+    "ProgressHook",
+    "Provenance",
+    "Verdict",
+    "content_hash",
+    "decide",
+    "freshness_window",
+    "gate_class",
+    "gate_settings",
+    "gates",
+    "provenance_for",
+    "provenance_of",
+    "utcnow",
+    "with_settings",
+]

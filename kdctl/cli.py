@@ -110,17 +110,14 @@ def status(
     """Hosts, GPUs and backends as live probes see them. Exit 3 when a host is unreachable."""
     from kdctl.readiness import assess, latest_verdicts
     from kdctl.render import status_tables
+    from kdctl.session import Session
     from kdctl.status import collect_status
 
     inv = _load(inventory, state_dir)
-    report = collect_status(inv, deadline_s=timeout)
-    with _store_for(inv) as store:
+    with Session(inv) as session, _store_for(inv) as store:
+        report = collect_status(inv, deadline_s=timeout, session=session)
         report.answers = assess(
-            inv,
-            store,
-            timeout_s=min(timeout, 15.0),
-            serving=report.serving,
-            identities=report.identities,
+            inv, store, timeout_s=min(timeout, 15.0), serving=report.serving, session=session
         ).answers
         report.gates = latest_verdicts(inv, store)
     if json_:
@@ -168,10 +165,13 @@ def phases(
     from kdctl.errors import InputError
     from kdctl.readiness import assess, run_criteria
     from kdctl.render import answers_text, phases_table, progress_bars
+    from kdctl.session import Session
 
     inv = _load(inventory, state_dir)
-    with _store_for(inv) as store:
-        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate)
+    with Session(inv) as session, _store_for(inv) as store:
+        found = assess(
+            inv, store, roadmap=roadmap, target=target, candidate=candidate, session=session
+        )
         if found.phases is None:
             raise InputError(f"{inv.path}: no roadmap selected (set roadmap: or --roadmap)")
         if run:
@@ -184,8 +184,11 @@ def phases(
                     phases=only,
                     on_start=None if json_ else lambda what: err_print(f"running {what}..."),
                     progress=progress,
+                    session=session,
                 )
-            found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate)
+            found = assess(
+                inv, store, roadmap=roadmap, target=target, candidate=candidate, session=session
+            )
     assert found.phases is not None
     if json_:
         doc = found.phases.model_dump(mode="json")
@@ -395,7 +398,7 @@ def inventory_check(
 @gate_app.command("list")
 def gate_list(json_: JsonOpt = False) -> None:
     """The gates kdctl knows, built in and from plugins."""
-    from kdctl.checks._gate import gates
+    from kdctl.checks import gates
 
     known = gates()
     if json_:

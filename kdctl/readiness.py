@@ -17,17 +17,11 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks._gate import (
-    ProgressHook,
-    gate_class,
-    gates,
-    with_settings,
-)
-from kdctl.checks.result import GateResult, utcnow
+from kdctl.checks import GateResult, ProgressHook, gate_class, gates, utcnow, with_settings
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore
 from kdctl.evidence.freshness import age_text
-from kdctl.gating import Identity, identify_backends, run_gates
+from kdctl.gating import run_gates
 from kdctl.inventory import LoadedInventory
 from kdctl.roadmap import (
     PhaseReport,
@@ -38,6 +32,7 @@ from kdctl.roadmap import (
     roadmap_path,
 )
 from kdctl.serving import ServingProbe, probe_serving
+from kdctl.session import Identity, Session, using
 
 # "baseline": the engine the roadmap replaces, the yardstick every ratio is measured against.
 Speed = Literal["yes", "no", "unmeasured", "baseline"]
@@ -172,29 +167,43 @@ def assess(
     timeout_s: float = 15.0,
     now: datetime | None = None,
     serving: ServingProbe | None = None,
-    identities: dict[str, Identity] | None = None,
+    session: Session | None = None,
 ) -> Readiness:
     """The three answers from one moment: who answers through the front now, the roadmap
     evaluated against what the engines report now, and whether traffic may move.
 
-    `serving` and `identities` are what the caller has just measured (`kdctl status` probes
-    every engine anyway), so that nothing is asked twice.
+    `serving` is what the caller has just measured, and the session holds who each engine
+    said it is (`kdctl status` probes every engine anyway), so that nothing is asked twice.
     """
+    with using(inv, session) as s:
+        return _assess(inv, store, s, roadmap, target, candidate, timeout_s, now, serving)
+
+
+def _assess(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    session: Session,
+    roadmap: Path | None,
+    target: str | None,
+    candidate: str | None,
+    timeout_s: float,
+    now: datetime | None,
+    serving: ServingProbe | None,
+) -> Readiness:
     now = now or utcnow()
     path = roadmap_path(inv, roadmap)
     loaded = load_roadmap(path, inv) if path is not None else None
     if candidate is not None and candidate not in inv.backends:
         known = ", ".join(sorted(inv.backends))
         raise InputError(f"unknown backend {candidate!r} (known: {known})")
-    probe = serving or probe_serving(inv, timeout_s=min(timeout_s, 5.0))
-    identities = dict(identities or {})
+    probe = serving or probe_serving(inv, timeout_s=min(timeout_s, 5.0), session=session)
+    identities: dict[str, Identity] = {}
 
     def identify(names: set[str]) -> dict[str, Identity]:
-        # One round of questions per assessment; an engine with no evidence is not asked.
-        missing = names - identities.keys()
-        if missing:
-            identities.update(identify_backends(inv, missing, timeout_s=timeout_s))
-        return {n: identities[n] for n in names}
+        # An engine with no evidence is not asked.
+        found = session.identify(names, timeout_s=timeout_s)
+        identities.update(found)
+        return found
 
     report = (
         evaluate(loaded, inv, store, identify, target=target, candidate=candidate, now=now)
@@ -332,6 +341,7 @@ def run_criteria(
     phases: list[str] | None = None,
     on_start: Callable[[str], None] | None = None,
     progress: ProgressHook | None = None,
+    session: Session | None = None,
 ) -> list[GateResult]:
     """Run the gate behind every unmet criterion (of `phases`, else all) with the criterion's
     own settings, and record the results. A person's sign-off is left to the person."""
@@ -356,5 +366,7 @@ def run_criteria(
                 scoped = replace(scoped, spec=scoped.spec.model_copy(update={"gates": gates}))
             if on_start is not None:
                 on_start(f"{phase.id}/{c.name}")
-            results += run_gates(scoped, store, c.gate, c.backend, c.baseline, progress=progress)
+            results += run_gates(
+                scoped, store, c.gate, c.backend, c.baseline, progress=progress, session=session
+            )
     return results

@@ -29,8 +29,8 @@ from kdctl.backends.health import BackendState
 from kdctl.errors import KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
+from kdctl.session import Session, using
 from kdctl.traffic import BACKEND_HEADER, front_url, make_router
-from kdctl.transports import TransportPool
 
 ServingState = Literal["serving", "degraded", "nothing", "unknown"]
 
@@ -108,12 +108,13 @@ def probe_serving(
     health: Mapping[str, HealthResult] | None = None,
     services: Mapping[str, ServiceState] | None = None,
     timeout_s: float = 5.0,
+    session: Session | None = None,
 ) -> ServingProbe:
     """Ask the front door and the engines. `health` and `services` are what the caller has
     just measured (`kdctl status` probes every backend anyway), so nothing is asked twice."""
     known = dict(health or {})
     spec = inv.spec.router
-    with httpx.Client() as client:
+    with using(inv, session) as s, httpx.Client() as client:
 
         def engine(name: str, weight: int = 0) -> EngineAnswer:
             url = inv.backends[name].url
@@ -126,7 +127,7 @@ def probe_serving(
             h = known[name]
             svc = (services or {}).get(name)
             generated, detail = (
-                _generate_once(inv, name, client, timeout_s) if h.state == "up" else (None, None)
+                _generate_once(s, name, client, timeout_s) if h.state == "up" else (None, None)
             )
             return EngineAnswer(
                 name=name,
@@ -147,9 +148,8 @@ def probe_serving(
 
         routed = Routed()
         try:
-            with TransportPool(inv) as pool:
-                router = make_router(inv, pool)
-                state = router.read()
+            router = make_router(inv, s.pool)
+            state = router.read()
         except KdctlError as exc:
             routed.error = str(exc)
             router_front = front_url(inv, spec)
@@ -171,12 +171,10 @@ def probe_serving(
 
 
 def _generate_once(
-    inv: LoadedInventory, name: str, client: httpx.Client, timeout_s: float
+    session: Session, name: str, client: httpx.Client, timeout_s: float
 ) -> tuple[bool | None, str | None]:
     try:
-        with make_backend(
-            name, inv.backends[name], api_key=inv.api_key(name), client=client, timeout=timeout_s
-        ) as be:
+        with session.backend(name, client=client, timeout=timeout_s) as be:
             be.generate(_PROBE)
     except BackendAuthError:
         return None, "health answers; generation refuses kdctl's key"

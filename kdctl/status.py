@@ -10,9 +10,8 @@ from pydantic import BaseModel, PrivateAttr, SecretStr
 
 from kdctl.backends import EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
-from kdctl.checks._gate import provenance_for
+from kdctl.checks import provenance_for
 from kdctl.errors import KdctlError
-from kdctl.gating import Binder, Identity
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.probes import (
     GpuProbe,
@@ -25,8 +24,9 @@ from kdctl.probes import (
 )
 from kdctl.readiness import Answers, LatestVerdict
 from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
+from kdctl.session import Identity, Session, using
 from kdctl.traffic import Journal
-from kdctl.transports import TransportPool, fan_out
+from kdctl.transports import fan_out
 
 
 class HostStatus(BaseModel):
@@ -87,15 +87,8 @@ class StatusReport(BaseModel):
     # The three answers, and the newest verdict of every gate for every backend.
     answers: Answers | None = None
     gates: list[LatestVerdict] = []
-    # What each served engine said it is (or why it said nothing), for the readiness answers,
-    # so that they need not ask again.
-    _identities: dict[str, Identity] = PrivateAttr(default_factory=dict)
     # The end-to-end probe the traffic line and the serving answer are both built from.
     _serving: ServingProbe | None = PrivateAttr(default=None)
-
-    @property
-    def identities(self) -> dict[str, Identity]:
-        return self._identities
 
     @property
     def serving(self) -> ServingProbe | None:
@@ -157,9 +150,21 @@ def _identify(
 
 
 def collect_status(
-    inventory: LoadedInventory, *, deadline_s: float = 20.0, max_workers: int = 32
+    inventory: LoadedInventory,
+    *,
+    deadline_s: float = 20.0,
+    max_workers: int = 32,
+    session: Session | None = None,
 ) -> StatusReport:
-    """Probe every host and backend in parallel; a dead host costs its deadline, no more."""
+    """Probe every host and backend in parallel; a dead host costs its deadline, no more.
+    Who each engine is goes into the session, for the assessment that follows."""
+    with using(inventory, session) as s:
+        return _collect(inventory, s, deadline_s, max_workers)
+
+
+def _collect(
+    inventory: LoadedInventory, s: Session, deadline_s: float, max_workers: int
+) -> StatusReport:
     by_host: dict[str, list[str]] = defaultdict(list)
     for name, backend in inventory.backends.items():
         if backend.service is not None:
@@ -168,12 +173,12 @@ def collect_status(
     partial: dict[str, HostStatus] = {}
     identities: dict[str, Identity] = {}
     healths: dict[str, HealthResult] = {}
-    with TransportPool(inventory) as pool, httpx.Client() as client:
-        binder = Binder(inventory, pool.get)
+    with httpx.Client() as client:
+        binder = s.binder
 
         def host_probe(name: str) -> _HostFacts:
             spec = inventory.hosts[name]
-            transport = pool.get(name)
+            transport = s.transport(name)
             reach = probe_reachability(transport, timeout=deadline_s)
             status = HostStatus(
                 name=name,
@@ -278,6 +283,7 @@ def collect_status(
 
     serving = probe_serving(
         inventory,
+        session=s,
         health={
             n: h
             for n, h in healths.items()
@@ -294,10 +300,12 @@ def collect_status(
     )
     report._serving = serving
     # Only what finished within the deadline: a backend still being asked is asked again.
-    report._identities.update(
-        (name, ident)
-        for name, ident in identities.items()
-        if isinstance(outcomes[f"backend:{name}"].value, BackendStatus)
+    s.remember(
+        {
+            name: ident
+            for name, ident in identities.items()
+            if isinstance(outcomes[f"backend:{name}"].value, BackendStatus)
+        }
     )
     return report
 

@@ -14,15 +14,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks._gate import freshness_window, gate_settings, with_settings
+from kdctl.checks import freshness_window, gate_settings, with_settings
 from kdctl.checks.result import GateResult, Metric, utcnow
 from kdctl.evidence import EvidenceStore, freshness
 from kdctl.evidence.freshness import age_text
-from kdctl.gating import Identity
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap
 from kdctl.roadmap._trend import Trend, load_theilslopes, requirements, trend_of
+from kdctl.session import Identity
 
 CriterionState = Literal["pass", "fail", "missing", "stale"]
 PhaseState = Literal["done", "in_progress", "blocked", "remaining"]

@@ -13,10 +13,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from kdctl.checks._gate import gate_class, gates, with_settings
+from kdctl.checks import gate_class, gates, with_settings
 from kdctl.errors import InputError
-from kdctl.inventory import LoadedInventory, _yaml, local_path
-from kdctl.inventory._load import format_problems, pydantic_problems, unknown_name
+from kdctl.inventory import (
+    LoadedInventory,
+    format_problems,
+    local_path,
+    pydantic_problems,
+    read_mapping,
+    unknown_name,
+)
 from kdctl.roadmap._model import Criterion, Phase, RoadmapSpec
 
 Loc = tuple[str | int, ...]
@@ -111,7 +117,7 @@ def roadmap_path(inv: LoadedInventory, override: Path | None = None) -> Path | N
 
 
 def load_roadmap(path: Path, inv: LoadedInventory) -> Roadmap:
-    doc = _yaml.read_mapping(path, "roadmap", "'title', 'serving', 'candidate' and 'phases'")
+    doc = read_mapping(path, "roadmap", "'title', 'serving', 'candidate' and 'phases'")
     try:
         spec = RoadmapSpec.model_validate(doc.data)
     except ValidationError as exc:

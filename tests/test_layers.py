@@ -18,6 +18,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kdctl.load",),
     ("kdctl.checks",),
     ("kdctl.evidence",),
+    # One command's connections and who each engine is, shared by everything above.
+    ("kdctl.session",),
     ("kdctl.gating",),
     ("kdctl.roadmap",),
     # What a router holds now, read back, and the journal: read by the answers below.
@@ -105,11 +107,13 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
 
 def test_a_planted_upward_import_is_caught() -> None:
     planted = "def f():\n    from kdctl.readiness import assess\n    return assess\n"
+    readiness, evidence = layer_of("kdctl.readiness"), layer_of("kdctl.evidence.store")
+    traffic = layer_of("kdctl.traffic.journal")
     assert upward(planted, "kdctl.evidence.store") == [
-        "kdctl.evidence.store:2 imports kdctl.readiness (layer 12 above 7)"
+        f"kdctl.evidence.store:2 imports kdctl.readiness (layer {readiness} above {evidence})"
     ]
     assert upward("from ..readiness import assess\n", "kdctl.traffic.journal") == [
-        "kdctl.traffic.journal:1 imports kdctl.readiness (layer 12 above 10)"
+        f"kdctl.traffic.journal:1 imports kdctl.readiness (layer {readiness} above {traffic})"
     ]
 
 

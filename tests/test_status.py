@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,3 +233,52 @@ def test_a_hung_nvidia_smi_leaves_the_host_reachable(tmp_path: Path) -> None:
     assert run.code == 0, run.err  # reachable: not an infrastructure failure of the host
     (host,) = json.loads(run.out)["hosts"]
     assert host["reachable"] and "did not finish within 2s" in host["error"]
+
+
+def _logins(fleet: SshdFleet) -> int:
+    return sum(
+        (sshd.root / "log").read_text().count("Accepted publickey") for sshd in fleet.hosts.values()
+    )
+
+
+def test_one_ssh_connection_per_host_per_command(
+    fleet: SshdFleet, engines: dict[str, int], tmp_path: Path, report: Any
+) -> None:
+    """`kdctl status` over 16 hosts, each with a backend whose service and host identity are
+    read over SSH, behind a router on one of them: the status probes, the router's read-back,
+    the engines' identities and the evidence binding share one connection a host."""
+    names = [f"h{i:02d}" for i in range(16)]
+    sshds = sorted(fleet.hosts)
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {n: fleet.host_entry(sshds[i % len(sshds)]) for i, n in enumerate(names)},
+            "backends": {
+                f"engine-{n}": {
+                    "kind": "sglang",
+                    "host": n,
+                    "url": f"http://127.0.0.1:{free_port()}",
+                    "model": "/srv/models/tiny",
+                    "service": {
+                        "command": "sleep 300",
+                        "pidfile": f"/tmp/kdctl-absent-{n}.pid",
+                        "log": f"/tmp/kdctl-absent-{n}.log",
+                    },
+                }
+                for n in names
+            },
+            "router": {
+                "kind": "nginx",
+                "host": names[0],
+                "listen": f"127.0.0.1:{free_port()}",
+                "serving": "engine-h00",
+            },
+        },
+    )
+    before = _logins(fleet)
+    run = kdctl("status", "-i", str(inv), "--json")
+    opened = _logins(fleet) - before
+    assert run.out, run.err
+    assert len(json.loads(run.out)["hosts"]) == 16
+    report(f"kdctl status over 16 SSH hosts opened {opened} SSH connections")
+    assert opened == 16

@@ -5,12 +5,16 @@ from kdctl.inventory._load import (
     ENV_STATE_DIR,
     LoadedInventory,
     backend_kinds,
+    format_problems,
     load_inventory,
     local_path,
+    pydantic_problems,
     resolve_api_key,
     resolve_inventory_path,
     resolve_service_env,
+    unknown_name,
 )
+from kdctl.inventory._yaml import read_mapping
 from kdctl.inventory.models import (
     BackendSpec,
     CommandService,
@@ -35,9 +39,13 @@ __all__ = [
     "RouterSpec",
     "SystemdService",
     "backend_kinds",
+    "format_problems",
     "load_inventory",
     "local_path",
+    "pydantic_problems",
+    "read_mapping",
     "resolve_api_key",
     "resolve_inventory_path",
     "resolve_service_env",
+    "unknown_name",
 ]

@@ -12,8 +12,7 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from kdctl.backends import GenerateRequest, HttpBackend
-from kdctl.backends._http import DONE, sse_data
+from kdctl.backends import DONE, GenerateRequest, HttpBackend, sse_data
 from kdctl.backends.errors import BackendError
 from kdctl.backends.health import bearer
 from kdctl.load._clients import RequestFailed, StreamClient, client_class

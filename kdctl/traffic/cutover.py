@@ -30,13 +30,13 @@ from kdctl.checks.promotion import promotion_result
 from kdctl.checks.result import GateResult, Verdict, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
-from kdctl.gating import Binder, run_gates
+from kdctl.gating import run_gates
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.load import BenchMetrics, LoadPlan, histogram_quantile, run_load
 from kdctl.serving import front_api_key
+from kdctl.session import Session
 from kdctl.traffic._router import Router, RouterError, RouterState
 from kdctl.traffic.journal import Journal
-from kdctl.transports import TransportPool
 
 Strategy = Literal["blue-green", "canary", "swap"]
 StepKind = Literal["set-weights", "watch", "drain", "stop", "start", "smoke-gate"]
@@ -159,7 +159,7 @@ class Runner:
     router: Router
     journal: Journal
     store: EvidenceStore
-    pool: TransportPool
+    session: Session
     on_step: Callable[[int, Step], None] | None = None
     watches: list[dict[str, Any]] = field(default_factory=list)
     drained_at: float | None = None
@@ -169,7 +169,7 @@ class Runner:
         started = utcnow()
         outcome = self._run(cid, plan, skip or set())
         promoted = record_promotion(self.inv, outcome, started)
-        self.store.record(Binder(self.inv, self.pool.get).bind_result(promoted))
+        self.store.record(self.session.binder.bind_result(promoted))
         return outcome
 
     def _run(self, cid: str, plan: Plan, skip: set[int]) -> CutoverOutcome:
@@ -247,8 +247,10 @@ class Runner:
 
     def _lifecycle(self, name: str, verb: str) -> str:
         spec = self.inv.backends[name]
-        with make_backend(name, spec, api_key=self.inv.api_key(name)) as be:
-            control = be.lifecycle(self.pool.get(spec.host))
+        # Who the engine is changes with it: the next question about it is asked anew.
+        self.session.forget(name)
+        with self.session.backend(name) as be:
+            control = be.lifecycle(self.session.transport(spec.host))
             if verb == "stop":
                 control.stop()
                 return f"{name} stopped"
@@ -257,11 +259,13 @@ class Runner:
             return f"{name} ready ({health.state})"
 
     def _smoke(self, name: str) -> str:
-        results = run_gates(self.inv, self.store, "health", name, None)
+        results = run_gates(self.inv, self.store, "health", name, None, session=self.session)
         golden = self.store.baselines(kind="golden")
         from_backend = golden[0].backend if golden else None
         if from_backend is not None:
-            results += run_gates(self.inv, self.store, "exactness", name, from_backend)
+            results += run_gates(
+                self.inv, self.store, "exactness", name, from_backend, session=self.session
+            )
         bad = [r for r in results if r.verdict != "pass"]
         if bad:
             raise RouterError(
@@ -347,7 +351,7 @@ class Runner:
         the old one started first. Where even that fails, the outcome says what the router
         does now and the one command that restores it."""
         try:
-            restore(self.inv, self.router, self.pool, plan, self.journal, cid)
+            restore(self.inv, self.router, self.session, plan, self.journal, cid)
         except (Exception, KeyboardInterrupt) as exc:
             try:
                 now = f"the router now sends {self.router.read().weights}"
@@ -474,7 +478,7 @@ def _breaches(m: BenchMetrics, pct: str, ttft_ms: float | None, itl_ms: float | 
 def restore(
     inv: LoadedInventory,
     router: Router,
-    pool: TransportPool,
+    session: Session,
     plan: Plan,
     journal: Journal,
     cid: str,
@@ -495,8 +499,9 @@ def restore(
         for name, verb in ((plan.to_backend, "stop"), (plan.from_backend, "start")):
             spec = inv.backends[name]
             _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "started")
-            with make_backend(name, spec, api_key=inv.api_key(name)) as be:
-                control = be.lifecycle(pool.get(spec.host))
+            session.forget(name)
+            with session.backend(name) as be:
+                control = be.lifecycle(session.transport(spec.host))
                 if verb == "stop":
                     control.stop()
                 else:

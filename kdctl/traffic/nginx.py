@@ -151,10 +151,26 @@ class NginxRouter(Router):
         self._write(self.render(weights), on_written)
         return self.confirm(weights)
 
-    def drain(self) -> RouterState:
+    def drain(self, *, deadline_s: float = 10.0) -> RouterState:
+        """Every new request answered 503 with Retry-After. It returns once the front says so
+        a few times in a row: a reload returns before the new workers take connections, and an
+        engine stopped while the old ones still take them turns clients' requests into 502s."""
         current = self.read()
         self._write(self.render(current.weights, draining=True))
+        deadline = time.monotonic() + deadline_s
+        with httpx.Client() as client:
+            while not all(self._draining(client) for _ in range(3)):
+                if time.monotonic() > deadline:
+                    raise RouterError(f"nginx front {self.front_url} does not answer as drained")
+                time.sleep(0.05)
         return self.read()
+
+    def _draining(self, client: httpx.Client) -> bool:
+        try:
+            r = client.get(self.front_url + "/health", timeout=5)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 503 and "retry-after" in r.headers
 
     def confirm(self, weights: dict[str, int], *, deadline_s: float = 10.0) -> RouterState:
         """Read the live file back, then probe the front until the new workers answer: a reload

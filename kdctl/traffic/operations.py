@@ -10,9 +10,9 @@ from kdctl.checks.promotion import promotion_result
 from kdctl.checks.result import GateResult, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
-from kdctl.gating import Binder
 from kdctl.inventory import LoadedInventory
 from kdctl.readiness import assess
+from kdctl.session import Session, using
 from kdctl.traffic._router import Router, RouterState
 from kdctl.traffic.cutover import (
     DEFAULT_STEPS,
@@ -26,7 +26,6 @@ from kdctl.traffic.cutover import (
 )
 from kdctl.traffic.journal import CutoverRecord, Journal
 from kdctl.traffic.routers import make_router
-from kdctl.transports import TransportPool
 
 # Asked before anything changes; False stops there. The CLI answers from --yes or a terminal.
 Confirm = Callable[[str], bool]
@@ -38,9 +37,11 @@ class Refused(KdctlError):
     exit_code = 1
 
 
-def preflight(inv: LoadedInventory, store: EvidenceStore, to: str) -> list[str]:
+def preflight(
+    inv: LoadedInventory, store: EvidenceStore, to: str, *, session: Session | None = None
+) -> list[str]:
     """Every criterion that keeps `to` out, with why; empty when the cutover may go."""
-    found = assess(inv, store, candidate=to)
+    found = assess(inv, store, candidate=to, session=session)
     if found.phases is None:
         return ["no roadmap selected: nothing says the candidate is ready"]
     return list(found.answers.cutover.blocking)
@@ -59,12 +60,13 @@ def cutover(
     dry_run: bool = False,
     resume: bool = False,
     on_step: Callable[[int, Step], None] | None = None,
+    session: Session | None = None,
 ) -> Plan | CutoverOutcome:
-    with TransportPool(inv) as pool, Journal(inv.state_dir) as journal:
+    with using(inv, session) as s, Journal(inv.state_dir) as journal:
         journal.check_free()
-        router = make_router(inv, pool)
+        router = make_router(inv, s.pool)
         if resume:
-            return _resume(inv, store, router, journal, pool, confirm, on_step)
+            return _resume(inv, store, router, journal, s, confirm, on_step)
         if to is None:
             raise InputError("--to: which backend to cut over to")
         plan = plan_cutover(
@@ -72,7 +74,7 @@ def cutover(
         )
         if dry_run:
             return plan
-        blocking = preflight(inv, store, to)
+        blocking = preflight(inv, store, to, session=s)
         if blocking and not force:
             raise Refused(
                 f"cutover to {to} refused: "
@@ -100,7 +102,7 @@ def cutover(
             )
             if blocking:
                 journal.step(cid, -1, "force", {"unmet": blocking}, "done", "forced past preflight")
-            runner = Runner(inv, router, journal, store, pool, on_step=on_step)
+            runner = Runner(inv, router, journal, store, s, on_step=on_step)
             return runner.run(cid, plan)
 
 
@@ -109,7 +111,7 @@ def _resume(
     store: EvidenceStore,
     router: Router,
     journal: Journal,
-    pool: TransportPool,
+    session: Session,
     confirm: Confirm,
     on_step: Callable[[int, Step], None] | None,
 ) -> CutoverOutcome:
@@ -131,9 +133,9 @@ def _resume(
             ):
                 raise Refused("resume not confirmed; nothing changed")
             started = utcnow()
-            state = restore(inv, router, pool, plan, journal, record.id)
+            state = restore(inv, router, session, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl cutover --resume: rollback finished")
-            store.record(_rolled_back(inv, pool, record, state, started, "resumed rollback"))
+            store.record(_rolled_back(inv, session, record, state, started, "resumed rollback"))
             return CutoverOutcome(
                 id=record.id,
                 plan=plan,
@@ -154,7 +156,7 @@ def _resume(
             f"now sends {live.weights}; {len(record.done_steps)} of {len(plan.steps)} steps done?"
         ):
             raise Refused("resume not confirmed; nothing changed")
-        runner = Runner(inv, router, journal, store, pool, on_step=on_step)
+        runner = Runner(inv, router, journal, store, session, on_step=on_step)
         return runner.run(record.id, plan, skip=record.done_steps)
 
 
@@ -191,14 +193,18 @@ def _journaled_plan(record: CutoverRecord, reason: str) -> Plan:
 
 
 def rollback(
-    inv: LoadedInventory, store: EvidenceStore, *, confirm: Confirm
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    *,
+    confirm: Confirm,
+    session: Session | None = None,
 ) -> tuple[str, RouterState]:
     """Back to the backend that served before the last cutover: no gates, one router write,
     confirmed by read-back; for a swap, the old engine restarted first. The cutover's target
     gets a failed promotion, so no phase still counts it as serving."""
     started = utcnow()
-    with TransportPool(inv) as pool, Journal(inv.state_dir) as journal:
-        router = make_router(inv, pool)
+    with using(inv, session) as s, Journal(inv.state_dir) as journal:
+        router = make_router(inv, s.pool)
         with journal.locked():
             record = journal.latest()
             if record is None:
@@ -211,7 +217,7 @@ def rollback(
                 if record.state == "running":
                     journal.finish(record.id, "rolled_back", "kdctl rollback: router unchanged")
                     journal.supersede(f"superseded by the rollback of {record.id}")
-                    store.record(_rolled_back(inv, pool, record, live, started, "router unchanged"))
+                    store.record(_rolled_back(inv, s, record, live, started, "router unchanged"))
                 return record.from_backend, live
             if not confirm(
                 f"Roll back to {record.from_backend} (the router now sends {live.weights})?"
@@ -220,16 +226,16 @@ def rollback(
             # The order is journaled before anything moves: killed from here on, a resume
             # finishes this rollback instead of the cutover it undoes.
             journal.step(record.id, 999, "rollback-ordered", {}, "done", "kdctl rollback")
-            state = restore(inv, router, pool, plan, journal, record.id)
+            state = restore(inv, router, s, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl rollback")
             journal.supersede(f"superseded by the rollback of {record.id}")
-            store.record(_rolled_back(inv, pool, record, state, started, "kdctl rollback"))
+            store.record(_rolled_back(inv, s, record, state, started, "kdctl rollback"))
             return record.from_backend, state
 
 
 def _rolled_back(
     inv: LoadedInventory,
-    pool: TransportPool,
+    session: Session,
     record: CutoverRecord,
     state: RouterState,
     started: datetime,
@@ -246,4 +252,4 @@ def _rolled_back(
         weights=state.weights,
         started_at=started,
     )
-    return Binder(inv, pool.get).bind_result(result)
+    return session.binder.bind_result(result)

@@ -1,0 +1,192 @@
+"""One command's connections, and what it learned of the engines, built once and shared.
+
+As an httpx `Client` owns its connection pool, a `Session` owns one transport per host and
+hands out backends bound to them. Status, the assessment, gates, cutover and rollback take the
+same one, so a command opens one SSH connection per host and asks each engine who it is once
+(again only after the command itself started or stopped it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+
+import httpx
+
+from kdctl.backends import Backend, HttpBackend, make_backend
+from kdctl.checks import GateResult, Provenance, provenance_for
+from kdctl.errors import InputError, KdctlError
+from kdctl.inventory import LoadedInventory
+from kdctl.probes.identity import probe_host_identity, probe_weights
+from kdctl.transports import Transport, TransportPool, fan_out
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a backend is now, to hold evidence against: the engine's own word when it answers
+    (`live`), else what the inventory declares, with the reason it is not live."""
+
+    provenance: Provenance
+    live: bool
+    note: str | None = None
+
+
+class Session:
+    def __init__(self, inventory: LoadedInventory) -> None:
+        self.inventory = inventory
+        self.pool = TransportPool(inventory)
+        self._identities: dict[str, Identity] = {}
+        self.binder = Binder(self)
+
+    def transport(self, host: str) -> Transport:
+        return self.pool.get(host)
+
+    def backend(
+        self, name: str, *, timeout: float | None = None, client: httpx.Client | None = None
+    ) -> Backend:
+        """The inventory's backend `name`, with its key and its host's transport."""
+        check_names(self.inventory, name)
+        spec = self.inventory.backends[name]
+        return make_backend(
+            name,
+            spec,
+            api_key=self.inventory.api_key(name),
+            transport=self.pool.get(spec.host),
+            timeout=timeout,
+            client=client,
+        )
+
+    def identify(self, names: Iterable[str], *, timeout_s: float = 15.0) -> dict[str, Identity]:
+        """Who each engine is now, asked once per session and in parallel; one that does not
+        answer in time is described by the inventory alone."""
+        wanted = sorted(set(names))
+        check_names(self.inventory, *wanted)
+        missing = [n for n in wanted if n not in self._identities]
+        if missing:
+            outcomes = fan_out(
+                lambda n: self._ask(n, timeout_s), missing, max_workers=8, deadline_s=timeout_s + 5
+            )
+            for name in missing:
+                out = outcomes[name]
+                if isinstance(out.value, Identity):
+                    self._identities[name] = out.value
+                else:
+                    why = "no answer in time" if out.timed_out else str(out.error)
+                    self._identities[name] = self._declared(
+                        name, f"{name} did not say what it serves ({why}); held to the inventory"
+                    )
+        return {n: self._identities[n] for n in wanted}
+
+    def remember(self, identities: dict[str, Identity]) -> None:
+        """What the caller has just measured, so that it is not asked again."""
+        self._identities.update(identities)
+
+    def forget(self, name: str) -> None:
+        """The engine was started or stopped: who it is must be asked again."""
+        self._identities.pop(name, None)
+
+    def _declared(self, name: str, note: str) -> Identity:
+        prov = provenance_for(self.inventory, name, None, None)
+        return Identity(self.binder.bind(name, prov), live=False, note=note)
+
+    def _ask(self, name: str, timeout_s: float) -> Identity:
+        try:
+            with self.backend(name, timeout=timeout_s) as be:
+                # An engine that describes itself but is not ready (503: wedged, loading,
+                # draining) serves nobody: its word is not taken as "answering".
+                health = be.health() if isinstance(be, HttpBackend) else None
+                if health is not None and health.state != "up":
+                    return self._declared(
+                        name,
+                        f"{name} is not ready ({health.detail or health.state}); "
+                        "held to the inventory",
+                    )
+                info = be.info()
+        except KdctlError as exc:
+            return self._declared(
+                name, f"{name} did not say what it serves ({exc}); held to the inventory"
+            )
+        prov = provenance_for(self.inventory, name, info, None)
+        return Identity(self.binder.bind(name, prov), live=True)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+@contextmanager
+def using(inventory: LoadedInventory, session: Session | None) -> Iterator[Session]:
+    """The caller's session, left open; else one of its own for this call, closed after it."""
+    if session is not None:
+        yield session
+        return
+    with Session(inventory) as own:
+        yield own
+
+
+def check_names(inv: LoadedInventory, *names: str | None) -> None:
+    for name in names:
+        if name is not None and name not in inv.backends:
+            known = ", ".join(sorted(inv.backends)) or "none"
+            raise InputError(f"unknown backend {name!r} (known: {known})")
+
+
+class Binder:
+    """Reads, once per host and checkpoint, what a provenance is bound to: the host's own
+    identity and the fingerprint of the weights at the model path it names."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._hosts: dict[str, str | None] = {}
+        self._weights: dict[tuple[str, str], str | None] = {}
+
+    @property
+    def _transport(self) -> Callable[[str], Transport]:
+        return self.session.transport
+
+    def host_id(self, host: str) -> str | None:
+        if host not in self._hosts:
+            self._hosts[host] = probe_host_identity(self._transport(host))
+        return self._hosts[host]
+
+    def weights(self, host: str, path: str | None) -> str | None:
+        if path is None:
+            return None
+        if (host, path) not in self._weights:
+            self._weights[(host, path)] = probe_weights(self._transport(host), path)
+        return self._weights[(host, path)]
+
+    def bind(self, name: str, prov: Provenance) -> Provenance:
+        host = self.session.inventory.backends[name].host
+        return prov.model_copy(
+            update={
+                "weights": self.weights(host, prov.model_path),
+                "host_id": self.host_id(host),
+            }
+        )
+
+    def bind_baseline(self, prov: Provenance, baseline: Provenance) -> Provenance:
+        return prov.model_copy(
+            update={"baseline_weights": baseline.weights, "baseline_host_id": baseline.host_id}
+        )
+
+    def bind_result(self, result: GateResult) -> GateResult:
+        """A result about to be recorded, bound to what its backend (and the baseline it was
+        compared with) serve now, as the engine describes itself."""
+        prov = self.bind(result.backend, result.provenance)
+        if result.baseline is not None:
+            (base,) = self.session.identify([result.baseline]).values()
+            prov = self.bind_baseline(prov, base.provenance)
+        return result.model_copy(update={"provenance": prov})

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from kdctl.backends.reference import serve_argv  # noqa: E402
 from kdctl.inventory import load_inventory  # noqa: E402
-from kdctl.traffic import make_router  # noqa: E402
+from kdctl.traffic import make_router, router_argv  # noqa: E402
 from kdctl.transports import TransportPool  # noqa: E402
 from tests.support.nginx import NGINX, start_nginx, stop_nginx  # noqa: E402
 from tests.support.sshd import free_port  # noqa: E402
@@ -171,21 +171,7 @@ def run_driver(kind: str, models: Path, work: Path, requests: int) -> dict[str, 
             pidfile = start_nginx(root, f"  include {root / 'kdctl.conf'};", [port])
         else:
             router_proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "sglang_router.launch_router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--worker-urls",
-                    base_url,
-                    "--policy",
-                    "round_robin",
-                    "--prometheus-port",
-                    str(free_port()),
-                ],
+                router_argv(port, [base_url], prometheus_port=free_port()),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,6 +23,7 @@ from kdctl.backends import make_backend
 from kdctl.backends.reference import serve_argv
 from kdctl.errors import InfraError, InputError
 from kdctl.inventory import LoadedInventory, load_inventory
+from kdctl.traffic import router_argv
 from kdctl.transports import TransportPool
 
 ENGINES = {
@@ -225,21 +225,7 @@ def _start_router(inv: LoadedInventory, root: Path, router: str, pool: Transport
             return
         log = (root / "log" / "router.log").open("ab")
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sglang_router.launch_router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(FRONT_PORT),
-                "--worker-urls",
-                "http://127.0.0.1:30000",
-                "--policy",
-                "round_robin",
-                "--prometheus-port",
-                "29100",
-            ],
+            router_argv(FRONT_PORT, ["http://127.0.0.1:30000"], prometheus_port=29100),
             stdout=log,
             stderr=log,
             start_new_session=True,

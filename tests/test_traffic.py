@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from kdctl.backends.reference import serve_argv
+from kdctl.traffic import router_argv
 from tests.conftest import (
     Served,
     engine_pair,
@@ -375,22 +376,7 @@ def sglang_router(reference_server: Served) -> Iterator[str]:
     need_sglang_router()
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            reference_server.url,
-            "--policy",
-            "round_robin",
-            # Its metrics listener defaults to port 29000: a second router would collide.
-            "--prometheus-port",
-            str(free_port()),
-        ],
+        router_argv(port, [reference_server.url], prometheus_port=free_port()),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

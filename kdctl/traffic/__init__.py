@@ -13,6 +13,7 @@ from kdctl.traffic._router import (
 )
 from kdctl.traffic.journal import CutoverRecord, Journal, LockHeld
 from kdctl.traffic.routers import make_router
+from kdctl.traffic.sglang_router import router_argv
 
 __all__ = [
     "BACKEND_HEADER",
@@ -25,4 +26,5 @@ __all__ = [
     "RouterState",
     "front_url",
     "make_router",
+    "router_argv",
 ]

@@ -4,14 +4,36 @@ wait again. It has no traffic weights: blue-green only, declared as such."""
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 from urllib.parse import quote
 
 import httpx
 
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
+
+
+def router_argv(port: int, workers: Sequence[str], *, prometheus_port: int) -> list[str]:
+    """The command line that starts SGLang's router on loopback in front of `workers`, round
+    robin: what the sandbox, a benchmark or a test runs. Its metrics listener defaults to port
+    29000, so a second router on one machine needs its own."""
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(prometheus_port),
+    ]
 
 
 class SGLangRouter(Router):

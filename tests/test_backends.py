@@ -25,6 +25,7 @@ from kdctl.backends.errors import (
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 from tests.conftest import Served
+from tests.support.faulty import Endless, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
@@ -394,30 +395,7 @@ def test_a_dropped_stream_leaves_the_engine_serving(models: dict[str, Path], rep
 def test_a_stream_that_never_ends_is_stopped_at_the_deadline(report: Any) -> None:
     """An engine that sends an event every 50 ms and never [DONE]: the stream ends with a typed
     timeout naming the backend, at the session's deadline."""
-    import http.server
-    import socketserver
-
-    class Endless(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            event = b'data: {"text": "a", "output_ids": [1], "meta_info": {}}\n\n'
-            try:
-                while True:
-                    self.wfile.write(event)
-                    self.wfile.flush()
-                    time.sleep(0.05)
-            except OSError:
-                return
-
-        def log_message(self, *args: Any) -> None:
-            return
-
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Endless)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve(Endless)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         be = make_backend("sglang", spec("sglang", url), timeout=1.5)

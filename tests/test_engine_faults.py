@@ -6,11 +6,8 @@ with an error naming the backend, and nothing may be recorded as a pass."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import socketserver
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,55 +17,15 @@ import httpx
 import pytest
 
 from tests.conftest import Served, kdctl, write_inventory
+from tests.support.faulty import Endless, NotJson, Quiet, serve
 
 pytest.importorskip("torch")
 
 TIMEOUT_S = 2.0
 
 
-class _Quiet(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args: Any) -> None:
-        return
-
-    def _drain(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-
-
-class _NotJson(_Quiet):
-    def _answer(self) -> None:
-        self._drain()
-        body = b"<html><body>502 Bad Gateway</body></html>"
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = _answer
-
-
-class _Endless(_Quiet):
-    def _answer(self) -> None:
-        self._drain()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        event = b'data: {"text": "a", "output_ids": [1], "meta_info": {}}\n\n'
-        try:
-            while True:
-                self.wfile.write(event)
-                self.wfile.flush()
-                time.sleep(0.05)
-        except OSError:
-            return
-
-    do_GET = do_POST = _answer
-
-
-def _wedged(upstream: str) -> type[_Quiet]:
-    class Wedged(_Quiet):
+def _wedged(upstream: str) -> type[Quiet]:
+    class Wedged(Quiet):
         """Reads answered by a real engine; a generation is taken and never answered."""
 
         def do_GET(self) -> None:
@@ -80,7 +37,7 @@ def _wedged(upstream: str) -> type[_Quiet]:
             self.wfile.write(got.content)
 
         def do_POST(self) -> None:
-            self._drain()
+            self.drain()
             time.sleep(3600)
 
     return Wedged
@@ -91,13 +48,7 @@ def engines(reference_server: Served) -> Iterator[dict[str, str]]:
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # the TCP handshake completes; nothing is ever read or sent
-    servers = [
-        socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
-        for handler in (_NotJson, _Endless, _wedged(reference_server.url))
-    ]
-    for server in servers:
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers = [serve(handler) for handler in (NotJson, Endless, _wedged(reference_server.url))]
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
     yield {
         "silent": f"http://127.0.0.1:{silent.getsockname()[1]}",

@@ -1,0 +1,62 @@
+"""HTTP servers that misbehave as broken engines do, on loopback threads of the test process."""
+
+from __future__ import annotations
+
+import http.server
+import socketserver
+import threading
+import time
+from typing import Any
+
+
+class Quiet(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args: Any) -> None:
+        return
+
+    def drain(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+
+
+class NotJson(Quiet):
+    """200 with a JSON content type and an HTML body, as a misrouted gateway answers."""
+
+    def _answer(self) -> None:
+        self.drain()
+        body = b"<html><body>502 Bad Gateway</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+
+class Endless(Quiet):
+    """An event every 50 ms and never [DONE]."""
+
+    def _answer(self) -> None:
+        self.drain()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        event = b'data: {"text": "a", "output_ids": [1], "meta_info": {}}\n\n'
+        try:
+            while True:
+                self.wfile.write(event)
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            return
+
+    do_GET = do_POST = _answer
+
+
+def serve(handler: type[Quiet]) -> socketserver.ThreadingTCPServer:
+    """Started on a free loopback port; `server_address[1]` is the port, `shutdown()` ends it."""
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -1,6 +1,6 @@
 """Backends: one interface over every inference engine kdctl manages.
 
-Kinds: `sglang`, `openai`, `native` and `reference` (DESIGN.md section 4). Other distributions
+Kinds: `sglang`, `openai`, `native` and `reference`. Other distributions
 add kinds through the `kdctl.backends` entry-point group.
 """
 

@@ -70,7 +70,7 @@ from benchmarks._vllm import (  # noqa: E402
     vllm_server,
 )
 from kdctl.backends import make_backend  # noqa: E402
-from kdctl.checks._gate import GateContext  # noqa: E402
+from kdctl.checks._base import GateContext  # noqa: E402
 from kdctl.checks.throughput import build_requests, measure  # noqa: E402
 from kdctl.inventory import LoadedInventory  # noqa: E402
 from kdctl.inventory.models import Inventory  # noqa: E402

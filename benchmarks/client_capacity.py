@@ -161,7 +161,7 @@ def _child(url: str, concurrency: int, prompts: int, tokens: int, client: str) -
     """One kdctl run in this (child) process; its metrics as one JSON line on stdout."""
     from kdctl.backends import GenerateRequest, HttpBackend, make_backend
     from kdctl.inventory import BackendSpec
-    from kdctl.load import LoadPlan, run_load
+    from kdctl.loadgen import LoadPlan, run_load
 
     spec = BackendSpec(kind="openai", host="local", url=url)
     backend = make_backend("fast", spec)

@@ -5,7 +5,7 @@ and those installed under the `kdctl.checks` entry-point group), and the evidenc
 returns. A third-party gate subclasses `Gate` and registers itself under that group.
 """
 
-from kdctl.checks._gate import (
+from kdctl.checks._base import (
     BaselineLookup,
     Gate,
     GateContext,
@@ -18,7 +18,7 @@ from kdctl.checks._gate import (
     provenance_of,
     with_settings,
 )
-from kdctl.checks.result import (
+from kdctl.records import (
     Baseline,
     BaselineKind,
     GateResult,

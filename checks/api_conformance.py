@@ -17,9 +17,9 @@ import httpx
 from kdctl.backends import Backend, HttpBackend
 from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.backends.health import bearer
-from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import Baseline, GateResult, Metric, content_hash, decide, utcnow
+from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.errors import InputError, KdctlError
+from kdctl.records import Baseline, GateResult, Metric, content_hash, utcnow
 
 MODEL = "{model}"  # replaced by each engine's own served model name
 
@@ -283,17 +283,16 @@ class ApiConformanceGate(Gate):
                 f"{len(unanswered)} of {len(want)} probes not compared: {baseline} did not "
                 f"answer them ({_first_error(want, unanswered)})"
             )
-        return GateResult(
-            gate=self.name,
-            backend=backend,
+        return self.result(
+            ctx,
+            backend,
+            started=started,
             baseline=baseline,
-            verdict=decide(metrics),
             metrics=metrics,
             reasons=reasons,
-            provenance=provenance_of(ctx, backend, info, API_WORKLOAD),
+            info=info,
+            workload=API_WORKLOAD,
             details={"baseline": want, "candidate": got, "differences": found},
-            started_at=started,
-            ended_at=utcnow(),
         )
 
 

@@ -9,8 +9,10 @@ import shlex
 from typing import Any
 
 from kdctl._limits import load_json
-from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import (
+from kdctl.checks._base import Gate, GateContext
+from kdctl.errors import InputError, KdctlError
+from kdctl.inventory.models import CommandCheck
+from kdctl.records import (
     Comparison,
     GateResult,
     Metric,
@@ -19,8 +21,6 @@ from kdctl.checks.result import (
     is_measurement,
     utcnow,
 )
-from kdctl.errors import InputError, KdctlError
-from kdctl.inventory.models import CommandCheck
 
 
 def read_metrics(stdout: str) -> dict[str, Any]:
@@ -131,14 +131,12 @@ class CommandGate(Gate):
             verdict, problems = "error", [*problems, str(exc)]
         if verdict == "pass":
             verdict = decide(metrics, problems)
-        return GateResult(
-            gate=self.name,
-            backend=backend,
+        return self.result(
+            ctx,
+            backend,
+            started=started,
             verdict=verdict,
             metrics=metrics,
             reasons=problems + reasons,
-            provenance=provenance_of(ctx, backend, None, None),
             details=details,
-            started_at=started,
-            ended_at=utcnow(),
         )

@@ -15,11 +15,11 @@ from typing import Any
 
 from kdctl._limits import check_size, load_json
 from kdctl.backends import Backend, GenerateRequest
-from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import Baseline, GateResult, Metric, content_hash, decide, utcnow
+from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory import local_path
 from kdctl.inventory.models import ExactnessSettings
+from kdctl.records import Baseline, GateResult, Metric, content_hash, utcnow
 
 DEFAULT_CORPUS = "sandbox.jsonl"
 # A corpus of long prompts runs to megabytes; past this it is not a corpus.
@@ -232,17 +232,16 @@ class ExactnessGate(Gate):
                     value=max(c["max_top_logprob_diff"] for c in compared),
                 ),
             ]
-        return GateResult(
-            gate=self.name,
-            backend=backend,
+        return self.result(
+            ctx,
+            backend,
+            started=started,
             baseline=baseline,
-            verdict=decide(metrics),
             metrics=metrics,
             reasons=reasons[:20],
-            provenance=provenance_of(ctx, backend, info, workload),
+            info=info,
+            workload=workload,
             details={"mode": settings.mode, "corpus": str(path), "prompts": compared},
-            started_at=started,
-            ended_at=utcnow(),
         )
 
 

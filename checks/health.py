@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 from kdctl.backends import GenerateRequest
-from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import GateResult, Metric, Verdict, decide, utcnow
+from kdctl.checks._base import Gate, GateContext
 from kdctl.errors import KdctlError
+from kdctl.records import GateResult, Metric, Verdict, decide, utcnow
 
 
 class HealthGate(Gate):
@@ -64,14 +64,12 @@ class HealthGate(Gate):
             verdict = decide(metrics, findings)
         if verdict == "pass" and info is not None:
             reasons.append(f"up, generates, serves {info.model or 'an unnamed model'}")
-        return GateResult(
-            gate=self.name,
-            backend=backend,
-            baseline=None,
+        return self.result(
+            ctx,
+            backend,
+            started=started,
             verdict=verdict,
             metrics=metrics,
             reasons=findings + reasons,
-            provenance=provenance_of(ctx, backend, info, None),
-            started_at=started,
-            ended_at=utcnow(),
+            info=info,
         )

@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
-from kdctl.checks._gate import Gate, GateContext, provenance_for
-from kdctl.checks.result import GateResult, Metric, Verdict, utcnow
+from kdctl.checks._base import Gate, GateContext, provenance_for
 from kdctl.errors import InputError
 from kdctl.inventory import LoadedInventory
+from kdctl.records import GateResult, Metric, Verdict, utcnow
 
 
 class PromotionGate(Gate):

@@ -7,9 +7,9 @@ import re
 from datetime import timedelta
 from typing import ClassVar
 
-from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import GateResult, utcnow
+from kdctl.checks._base import Gate, GateContext
 from kdctl.errors import InputError
+from kdctl.records import GateResult, utcnow
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -32,14 +32,11 @@ def sign_off(ctx: GateContext, backend: str, by: str, note: str) -> GateResult:
         raise InputError("--by: give the approver's name (one line, at most 200 characters)")
     if not why or _CONTROL.search(why.replace("\n", " ")) or len(why) > 4000:
         raise InputError("--note: say what was checked (at most 4000 characters)")
-    now = utcnow()
-    return GateResult(
-        gate=SignOffGate.name,
-        backend=backend,
+    return SignOffGate().result(
+        ctx,
+        backend,
+        started=utcnow(),
         verdict="pass",
         reasons=[f"signed off by {who}: {why}"],
-        provenance=provenance_of(ctx, backend, None, None),
         details={"by": who, "note": why},
-        started_at=now,
-        ended_at=now,
     )

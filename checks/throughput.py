@@ -12,9 +12,12 @@ import random
 from typing import Any
 
 from kdctl.backends import Backend, GenerateRequest, HttpBackend
-from kdctl.checks._gate import Gate, GateContext, provenance_of
+from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.checks.exactness import load_corpus, prompt_file
-from kdctl.checks.result import (
+from kdctl.errors import InfraError, InputError, KdctlError
+from kdctl.inventory.models import ThroughputSettings
+from kdctl.loadgen import SLO, BenchMetrics, LoadPlan, Progress, run_load
+from kdctl.records import (
     Baseline,
     GateResult,
     Metric,
@@ -23,9 +26,6 @@ from kdctl.checks.result import (
     decide,
     utcnow,
 )
-from kdctl.errors import InfraError, InputError, KdctlError
-from kdctl.inventory.models import ThroughputSettings
-from kdctl.load import SLO, BenchMetrics, LoadPlan, Progress, run_load
 
 _SLOS = (
     ("ttft", "slo_ttft_ms"),
@@ -174,20 +174,20 @@ class ThroughputGate(Gate):
         metrics, reasons, verdict = judge(settings, points, base_points, backend=backend)
         if source:
             reasons.insert(0, f"compared with {source}")
-        return GateResult(
-            gate=self.name,
-            backend=backend,
+        return self.result(
+            ctx,
+            backend,
+            started=started,
             baseline=baseline,
             verdict=verdict,
             metrics=metrics,
             reasons=reasons,
-            provenance=provenance_of(ctx, backend, info, workload),
+            info=info,
+            workload=workload,
             details={
                 "points": [p.model_dump(mode="json") for p in points],
                 "baseline_points": [p.model_dump(mode="json") for p in base_points or []],
             },
-            started_at=started,
-            ended_at=utcnow(),
         )
 
 

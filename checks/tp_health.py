@@ -18,13 +18,13 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from kdctl.checks._gate import Gate, GateContext, provenance_of
-from kdctl.checks.result import GateResult, Metric, Verdict, decide, not_measured, utcnow
+from kdctl.checks._base import Gate, GateContext
 from kdctl.errors import CommandTimeout, KdctlError, TransportError
 from kdctl.inventory.models import TpHealthSettings
 from kdctl.probes.gpus import GpuInfo, GpuProbe, GpuProcess, probe_gpus
 from kdctl.probes.kernel import XidProbe, probe_xids
 from kdctl.probes.topology import Topology, probe_topology
+from kdctl.records import GateResult, Metric, decide, not_measured, utcnow
 from kdctl.transports import Transport
 
 # nvml's clocks_event_reasons bits (nvml.h); 0x1 (idle) is the only one that is not a slowdown.
@@ -328,34 +328,36 @@ class TpHealthGate(Gate):
             failures.append(str(exc))
             details["command"] = exc.command
         except KdctlError as exc:
-            return self._result(ctx, backend, "error", metrics, [str(exc)], details, started)
+            return self.result(
+                ctx,
+                backend,
+                started=started,
+                verdict="error",
+                metrics=metrics,
+                reasons=[str(exc)],
+                details=details,
+            )
         for m in metrics:
             if m.passed is False and not any(m.name in f for f in failures):
                 failures.append(f"{m.name} {m.value} not {m.comparison} {m.threshold}")
         if not failures and not any(m.judged for m in metrics):
-            return self._result(ctx, backend, "skipped", metrics, reasons, details, started)
+            return self.result(
+                ctx,
+                backend,
+                started=started,
+                verdict="skipped",
+                metrics=metrics,
+                reasons=reasons,
+                details=details,
+            )
         verdict = decide(metrics, failures)
         reasons += [not_measured(m) for m in metrics if m.unmeasured]
-        return self._result(ctx, backend, verdict, metrics, failures + reasons, details, started)
-
-    def _result(
-        self,
-        ctx: GateContext,
-        backend: str,
-        verdict: Verdict,
-        metrics: list[Metric],
-        reasons: list[str],
-        details: dict[str, Any],
-        started: Any,
-    ) -> GateResult:
-        return GateResult(
-            gate=self.name,
-            backend=backend,
+        return self.result(
+            ctx,
+            backend,
+            started=started,
             verdict=verdict,
             metrics=metrics,
-            reasons=reasons,
-            provenance=provenance_of(ctx, backend, None, None),
+            reasons=failures + reasons,
             details=details,
-            started_at=started,
-            ended_at=utcnow(),
         )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TextIO, cast
+from typing import TYPE_CHECKING, Annotated, Literal, TextIO, cast
 
 import typer
 from pydantic import BaseModel
@@ -14,6 +15,11 @@ from rich.console import Console
 
 from kdctl import __version__
 from kdctl.errors import KdctlError
+
+if TYPE_CHECKING:
+    from kdctl.evidence import EvidenceStore
+    from kdctl.inventory import LoadedInventory
+    from kdctl.sandbox import SandboxStatus
 
 app = typer.Typer(
     name="kdctl",
@@ -66,7 +72,9 @@ StateDirOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
 
 
-def _load(inventory: Path | None, state_dir: Path | None, *, engines: bool = True) -> Any:
+def _load(
+    inventory: Path | None, state_dir: Path | None, *, engines: bool = True
+) -> LoadedInventory:
     """The inventory; with `engines`, one whose engines kdctl can talk to now, so an unset
     API-key variable is refused (exit 2) before any request goes out without its key."""
     from kdctl.errors import InputError
@@ -78,7 +86,7 @@ def _load(inventory: Path | None, state_dir: Path | None, *, engines: bool = Tru
     return inv
 
 
-def _print_json(doc: BaseModel | dict[str, Any]) -> None:
+def _print_json(doc: BaseModel | dict[str, object]) -> None:
     data = doc.model_dump(mode="json") if isinstance(doc, BaseModel) else doc
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
@@ -108,18 +116,12 @@ def status(
     ] = 20.0,
 ) -> None:
     """Hosts, GPUs and backends as live probes see them. Exit 3 when a host is unreachable."""
-    from kdctl.readiness import assess, latest_verdicts
-    from kdctl.render import status_tables
-    from kdctl.session import Session
-    from kdctl.status import collect_status
+    from kdctl.status import status_report
+    from kdctl.tables import status_tables
 
     inv = _load(inventory, state_dir)
-    with Session(inv) as session, _store_for(inv) as store:
-        report = collect_status(inv, deadline_s=timeout, session=session)
-        report.answers = assess(
-            inv, store, timeout_s=min(timeout, 15.0), serving=report.serving, session=session
-        ).answers
-        report.gates = latest_verdicts(inv, store)
+    with _store_for(inv) as store:
+        report = status_report(inv, store, deadline_s=timeout)
     if json_:
         _print_json(report)
     else:
@@ -162,38 +164,25 @@ def phases(
     """The roadmap's phases from evidence: done, in progress, blocked, remaining, and every
     unmet criterion with its threshold, last value and age, under the three answers. Exit 0
     when traffic may move to the candidate now, 1 when not."""
-    from kdctl.errors import InputError
-    from kdctl.readiness import assess, run_criteria
-    from kdctl.render import answers_text, phases_table, progress_bars
-    from kdctl.session import Session
+    from kdctl.readiness import assess_phases
+    from kdctl.tables import answers_text, phases_table, progress_bars
 
     inv = _load(inventory, state_dir)
-    with Session(inv) as session, _store_for(inv) as store:
-        found = assess(
-            inv, store, roadmap=roadmap, target=target, candidate=candidate, session=session
+    with _store_for(inv) as store, progress_bars(err, run and not json_) as progress:
+        found = assess_phases(
+            inv,
+            store,
+            roadmap=roadmap,
+            target=target,
+            candidate=candidate,
+            run=run,
+            only=only,
+            on_start=None if json_ else lambda what: err_print(f"running {what}..."),
+            progress=progress,
         )
-        if found.phases is None:
-            raise InputError(f"{inv.path}: no roadmap selected (set roadmap: or --roadmap)")
-        if run:
-            with progress_bars(err, not json_) as progress:
-                run_criteria(
-                    inv,
-                    store,
-                    found.phases,
-                    roadmap=roadmap,
-                    phases=only,
-                    on_start=None if json_ else lambda what: err_print(f"running {what}..."),
-                    progress=progress,
-                    session=session,
-                )
-            found = assess(
-                inv, store, roadmap=roadmap, target=target, candidate=candidate, session=session
-            )
     assert found.phases is not None
     if json_:
-        doc = found.phases.model_dump(mode="json")
-        doc["answers"] = found.answers.model_dump(mode="json")
-        _print_json(doc)
+        _print_json(found.phases_document())
     else:
         out.print(answers_text(found.answers))
         out.print(phases_table(found.phases))
@@ -245,7 +234,7 @@ def report(
         raise typer.Exit(1)
 
 
-def _confirmer(yes: bool) -> Any:
+def _confirmer(yes: bool) -> Callable[[str], bool]:
     """--yes answers for scripts; a terminal is asked; with neither, kdctl refuses rather
     than wait for an answer that cannot come."""
 
@@ -266,10 +255,8 @@ def _confirmer(yes: bool) -> Any:
 def cutover_cmd(
     to: Annotated[str | None, typer.Option("--to", help="The backend to move traffic to.")] = None,
     strategy: Annotated[
-        str | None,
-        typer.Option(
-            "--strategy", help="blue-green, canary or swap [default: chosen by the plan]."
-        ),
+        Literal["blue-green", "canary", "swap"] | None,
+        typer.Option("--strategy", help="[default: chosen by the plan]"),
     ] = None,
     steps: Annotated[
         str, typer.Option("--steps", help="Canary weights, percent, rising to 100.")
@@ -293,18 +280,11 @@ def cutover_cmd(
 ) -> None:
     """Move traffic to a backend, gated by the roadmap's prerequisites. Exit 0 when traffic
     moved, 1 when refused or rolled back, 3 when a router or host failed."""
-    from kdctl.errors import InputError
-    from kdctl.traffic.cutover import Plan
+    from kdctl.tables import outcome_line, plan_lines
     from kdctl.traffic.operations import cutover
+    from kdctl.traffic.runner import Plan, parse_steps
 
-    if strategy not in (None, "blue-green", "canary", "swap"):
-        raise InputError(f"--strategy: {strategy!r} is not one of blue-green, canary, swap")
-    try:
-        weights = tuple(int(w) for w in steps.split(","))
-    except ValueError:
-        raise InputError(
-            f"--steps: {steps!r} is not a list of percentages like 5,25,50,100"
-        ) from None
+    weights = parse_steps(steps)
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:
         result = cutover(
@@ -312,7 +292,7 @@ def cutover_cmd(
             store,
             to,
             confirm=_confirmer(yes),
-            strategy=strategy,  # type: ignore[arg-type]
+            strategy=strategy,
             steps=weights,
             watch_s=watch,
             force=force,
@@ -325,22 +305,9 @@ def cutover_cmd(
     if json_:
         _print_json(result)
     elif isinstance(result, Plan):
-        out.print(
-            f"plan: {result.strategy} from {result.from_backend} to {result.to_backend} "
-            f"({result.reason})",
-            markup=False,
-        )
-        for i, step in enumerate(result.steps):
-            out.print(f"  {i + 1}. {step.describe()}", markup=False)
+        _print_lines(plan_lines(result))
     else:
-        line = f"cutover {result.id}: {result.state}"
-        if result.reason:
-            line += f": {result.reason}"
-        if result.router is not None:
-            line += f"; router now sends {result.router.weights}"
-        if result.downtime_s is not None:
-            line += f"; downtime {result.downtime_s:.2f}s"
-        out.print(line, markup=False)
+        _print_lines([outcome_line(result)])
     if not isinstance(result, Plan) and result.state != "succeeded":
         raise typer.Exit(1)
 
@@ -370,15 +337,11 @@ def inventory_check(
     inventory: InventoryOpt = None, state_dir: StateDirOpt = None, json_: JsonOpt = False
 ) -> None:
     """Validate the inventory (exit 2 naming file, line and field) and summarise it."""
-    from kdctl.render import inventory_summary
-    from kdctl.roadmap import load_roadmap, roadmap_path
+    from kdctl.roadmap import check_roadmap
+    from kdctl.tables import inventory_summary
 
     inv = _load(inventory, state_dir, engines=False)
-    # The roadmap it names is checked too: a phase naming an unknown backend is this file's
-    # problem as much as the roadmap's.
-    chosen = roadmap_path(inv)
-    if chosen is not None:
-        load_roadmap(chosen, inv)
+    check_roadmap(inv)
     for warning in inv.warnings:
         err_print(f"warning: {warning}")
     if json_:
@@ -399,26 +362,12 @@ def inventory_check(
 def gate_list(json_: JsonOpt = False) -> None:
     """The gates kdctl knows, built in and from plugins."""
     from kdctl.checks import gates
+    from kdctl.tables import gate_lines, gates_document
 
-    known = gates()
     if json_:
-        _print_json(
-            {
-                "gates": [
-                    {
-                        "name": n,
-                        "description": g.description,
-                        "needs_baseline": g.needs_baseline,
-                        "default_freshness_s": int(g.freshness_window.total_seconds()),
-                    }
-                    for n, g in sorted(known.items())
-                ]
-            }
-        )
-        return
-    for name, g in sorted(known.items()):
-        needs = " (needs --baseline)" if g.needs_baseline else ""
-        out.print(f"{name:<16} {g.description}{needs}", markup=False)
+        _print_json(gates_document(gates()))
+    else:
+        _print_lines(gate_lines(gates()))
 
 
 @gate_app.command("run")
@@ -434,9 +383,9 @@ def gate_run(
 ) -> None:
     """Run a gate and record its result. Exit 0 pass, 1 fail or inconclusive, 3 error.
     Without --baseline, gates that compare use the roadmap's serving backend."""
-    from kdctl.gating import run_gates
     from kdctl.readiness import default_baseline
-    from kdctl.render import evidence_table, progress_bars
+    from kdctl.recording import run_gates
+    from kdctl.tables import evidence_table, progress_bars
 
     inv = _load(inventory, state_dir)
     if baseline is None:
@@ -471,17 +420,15 @@ def baseline_record(
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
     only: Annotated[
-        str | None, typer.Option("--only", help="Record only `golden`, `throughput` or `api`.")
+        Literal["golden", "throughput", "api"] | None,
+        typer.Option("--only", help="Record only this kind."),
     ] = None,
 ) -> None:
     """Record golden outputs (token ids and top-k logprobs over the exactness corpus) and a
     throughput run of the gate's workload, from the engine serving today."""
-    from kdctl.errors import InputError
-    from kdctl.gating import BASELINE_KINDS, record_baseline
-    from kdctl.render import baseline_line, progress_bars
+    from kdctl.recording import BASELINE_KINDS, record_baseline
+    from kdctl.tables import baseline_line, progress_bars
 
-    if only is not None and only not in BASELINE_KINDS:
-        raise InputError(f"--only: {only!r} is not one of {', '.join(BASELINE_KINDS)}")
     kinds = BASELINE_KINDS if only is None else (only,)
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store, progress_bars(err, not json_) as progress:
@@ -503,7 +450,7 @@ def signoff(
     json_: JsonOpt = False,
 ) -> None:
     """Record a named person's sign-off for a backend, as evidence for the `sign-off` gate."""
-    from kdctl.gating import record_signoff
+    from kdctl.recording import record_signoff
 
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:
@@ -520,13 +467,18 @@ def err_print(message: str) -> None:
     sys.stderr.write(message + "\n")
 
 
-def _store_for(inv: Any) -> Any:
+def _print_lines(lines: list[str]) -> None:
+    for line in lines:
+        out.print(line, markup=False)
+
+
+def _store_for(inv: LoadedInventory) -> EvidenceStore:
     from kdctl.evidence import EvidenceStore
 
     return EvidenceStore.in_state_dir(inv.state_dir)
 
 
-def _store(inventory: Path | None, state_dir: Path | None) -> Any:
+def _store(inventory: Path | None, state_dir: Path | None) -> EvidenceStore:
     return _store_for(_load(inventory, state_dir, engines=False))
 
 
@@ -540,7 +492,7 @@ def evidence_list(
     limit: Annotated[int, typer.Option("--limit", min=1)] = 50,
 ) -> None:
     """Gate results, newest first."""
-    from kdctl.render import evidence_table
+    from kdctl.tables import evidence_table
 
     with _store(inventory, state_dir) as store:
         results = store.results(gate=gate, backend=backend, limit=limit)
@@ -559,7 +511,7 @@ def evidence_show(
 ) -> None:
     """One gate result, whole."""
     from kdctl.errors import InputError
-    from kdctl.render import evidence_detail
+    from kdctl.tables import evidence_detail
 
     with _store(inventory, state_dir) as store:
         result = store.get(result_id)
@@ -586,18 +538,10 @@ def evidence_export(
 
     with _store(inventory, state_dir) as store:
         doc = export_evidence(store, gate=gate, backend=backend)
-    text = doc.model_dump_json(indent=2) + "\n"
     if output is None:
-        sys.stdout.write(text)
+        sys.stdout.write(doc.text())
         return
-    tmp = output.with_name(f".{output.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(output)
-    except OSError as exc:
-        from kdctl.errors import InputError
-
-        raise InputError(f"{output}: cannot write: {exc.strerror}") from None
+    doc.write(output)
     sys.stderr.write(
         f"exported {len(doc.results)} result(s) and {len(doc.baselines)} baseline(s) to {output}\n"
     )
@@ -613,6 +557,7 @@ def evidence_import(
     """Add an export's results and baselines, all or none; a changed file is refused. Without
     KDCTL_EVIDENCE_KEY the file is only checked for damage and is imported as unsigned."""
     from kdctl.evidence import import_evidence
+    from kdctl.tables import imported_line
 
     inv = _load(inventory, state_dir, engines=False)
     with _store_for(inv) as store:
@@ -620,16 +565,7 @@ def evidence_import(
     if json_:
         _print_json({"file": str(file)} | done.model_dump())
         return
-    trust = (
-        "signed (HMAC verified with KDCTL_EVIDENCE_KEY)"
-        if done.signed
-        else "unsigned: its digest shows it is intact, not who made it (set KDCTL_EVIDENCE_KEY "
-        "on both sides, and evidence.require_signed to refuse such files)"
-    )
-    out.print(
-        f"{file}: {done.added} record(s) added, {done.already_present} already present; {trust}",
-        markup=False,
-    )
+    _print_lines([imported_line(file, done)])
 
 
 SandboxDirOpt = Annotated[
@@ -637,33 +573,30 @@ SandboxDirOpt = Annotated[
 ]
 
 
-def _sandbox_out(st: Any, json_: bool) -> None:
+def _sandbox_out(st: SandboxStatus, json_: bool) -> None:
+    from kdctl.tables import sandbox_lines
+
     if json_:
         _print_json(st.model_dump(mode="json") | {"up": st.up})
-        return
-    for p in st.processes:
-        state = f"running, pid {p.pid}" if p.running else "stopped"
-        out.print(f"{p.name:<16} {state:<20} {p.url or ''}", markup=False)
-    out.print(f"inventory: {st.inventory}", markup=False)
+    else:
+        _print_lines(sandbox_lines(st))
 
 
 @sandbox_app.command("up")
 def sandbox_up(
     dir_: SandboxDirOpt = Path("sandbox"),
     router: Annotated[
-        str, typer.Option("--router", help="auto (nginx when installed), nginx, sglang-router.")
+        Literal["auto", "nginx", "sglang-router"],
+        typer.Option("--router", help="auto: nginx when installed, else sglang-router."),
     ] = "auto",
     json_: JsonOpt = False,
 ) -> None:
     """Make the models and start the engines and the router, reusing whatever already runs."""
-    from kdctl.errors import InputError
-    from kdctl.render import progress_bars
     from kdctl.sandbox import up
+    from kdctl.tables import progress_bars
 
-    if router not in ("auto", "nginx", "sglang-router"):
-        raise InputError(f"--router: {router!r} is not one of auto, nginx, sglang-router")
     with progress_bars(err, not json_) as progress:
-        st = up(dir_, router_choice=router, progress=progress)  # type: ignore[arg-type]
+        st = up(dir_, router_choice=router, progress=progress)
     _sandbox_out(st, json_)
 
 
@@ -689,19 +622,20 @@ def sandbox_down(dir_: SandboxDirOpt = Path("sandbox"), json_: JsonOpt = False) 
 @reference_app.command("make-model")
 def reference_make_model(
     out_dir: Annotated[Path, typer.Option("--out", help="Folder to write the model into.")],
-    arch: Annotated[str, typer.Option("--arch", help="deepseek_v3 (Kimi K2's) or llama.")] = (
-        "deepseek_v3"
-    ),
+    arch: Annotated[
+        Literal["deepseek_v3", "llama"], typer.Option("--arch", help="deepseek_v3 is Kimi K2's.")
+    ] = "deepseek_v3",
     train_steps: Annotated[int, typer.Option("--train-steps", min=0)] = 300,
     quantize: Annotated[
-        str | None, typer.Option("--quantize", help="w4a16: INT4 per-group weights, dequantized.")
+        Literal["w4a16"] | None,
+        typer.Option("--quantize", help="w4a16: INT4 per-group weights, dequantized."),
     ] = None,
     group_size: Annotated[int, typer.Option("--group-size", min=1)] = 32,
     from_model: Annotated[
         Path | None, typer.Option("--from", help="Quantize this model instead of making one.")
     ] = None,
     size: Annotated[
-        str,
+        Literal["tiny", "large"],
         typer.Option(
             "--size",
             help="tiny (CPU, seconds) or large (deepseek_v3 of about 1.5B parameters, for a GPU).",
@@ -722,50 +656,23 @@ def reference_make_model(
 ) -> None:
     """Write a model with a locally trained tokenizer; the same arguments, the same bytes (on
     the CPU)."""
-    from kdctl.backends.reference.model import SIZES, make_model, parse_config_settings
-    from kdctl.errors import InputError
+    from kdctl.backends.reference.model import make_sized_model
 
-    if arch not in ("deepseek_v3", "llama"):
-        raise InputError(f"--arch: {arch!r} is not one of deepseek_v3, llama")
-    if quantize not in (None, "w4a16"):
-        raise InputError(f"--quantize: {quantize!r} is not w4a16")
-    if size not in SIZES:
-        raise InputError(f"--size: {size!r} is not one of {', '.join(SIZES)}")
-    if size != "tiny" and arch != "deepseek_v3":
-        raise InputError(f"--size {size} is a deepseek_v3 config; --arch is {arch}")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise InputError(f"--device: {device!r} is not cpu, cuda or cuda:N")
-    sized = dict(SIZES[size])
-    overrides = {**sized.pop("config_overrides", {}), **parse_config_settings(set_ or [])}
-    report = make_model(
-        arch,  # type: ignore[arg-type]
+    report = make_sized_model(
+        arch,
         out_dir,
+        size=size,
+        settings=set_ or (),
+        device=device,
         train_steps=train_steps,
-        quantize=quantize,  # type: ignore[arg-type]
+        quantize=quantize,
         group_size=group_size,
         from_model=from_model,
-        device=device,
-        config_overrides=overrides or None,
-        **sized,
     )
-    doc = {
-        "out": str(report.out),
-        "arch": report.arch,
-        "parameters": report.parameters,
-        "train_steps": report.train_steps,
-        "final_loss": report.final_loss,
-        "quantization": report.quantization,
-    }
     if json_:
-        _print_json(doc)
+        _print_json(report.document())
     else:
-        quant = f", {report.quantization['method']} g{group_size}" if report.quantization else ""
-        out.print(
-            f"{report.arch} model with {report.parameters:,} parameters{quant} "
-            f"written to {report.out} "
-            f"(trained {report.train_steps} steps, loss {report.final_loss})",
-            markup=False,
-        )
+        _print_lines([report.describe()])
 
 
 @reference_app.command("serve")
@@ -778,14 +685,13 @@ def reference_serve(
         str | None, typer.Option("--api-key-env", help="Variable holding the API key to require.")
     ] = None,
     device: Annotated[str, typer.Option("--device")] = "cpu",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], typer.Option("--dtype")] = (
+        "float32"
+    ),
 ) -> None:
     """Serve a reference model behind SGLang's HTTP API (503 until it is loaded)."""
     from kdctl.backends.reference.server import serve
-    from kdctl.errors import InputError
 
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise InputError(f"--dtype: {dtype!r} is not one of float32, bfloat16, float16")
     serve(
         model,
         host=host,

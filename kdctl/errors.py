@@ -1,6 +1,6 @@
 """The error types every layer raises, each carrying the exit code the CLI ends with.
 
-Exit codes are part of the contract (DESIGN.md section 2): 1 a negative verdict, 2 bad input,
+Exit codes are part of the contract (README's exit codes): 1 a negative verdict, 2 bad input,
 3 an infrastructure failure. Anything a user can cause ends in one of these, never a traceback.
 """
 

@@ -13,16 +13,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from kdctl.checks import GateResult, ProgressHook, gate_class, gates, utcnow, with_settings
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore
-from kdctl.evidence.freshness import age_text
-from kdctl.gating import run_gates
+from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
+from kdctl.recording import run_gates
 from kdctl.roadmap import (
     PhaseReport,
     Roadmap,
@@ -155,6 +155,12 @@ class Readiness:
     answers: Answers
     phases: PhaseReport | None
     identities: dict[str, Identity]
+
+    def phases_document(self) -> dict[str, Any]:
+        """`kdctl phases --json`: the phase report with the three answers beside it."""
+        doc = self.phases.model_dump(mode="json") if self.phases is not None else {}
+        doc["answers"] = self.answers.model_dump(mode="json")
+        return doc
 
 
 def assess(
@@ -320,6 +326,40 @@ def _serving(
         answer.speed_optimized = "unmeasured"
         answer.speed = f"unmeasured by {criterion.name} ({needs}): {status.reason}"
     return answer
+
+
+def assess_phases(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    *,
+    roadmap: Path | None = None,
+    target: str | None = None,
+    candidate: str | None = None,
+    run: bool = False,
+    only: list[str] | None = None,
+    on_start: Callable[[str], None] | None = None,
+    progress: ProgressHook | None = None,
+    session: Session | None = None,
+) -> Readiness:
+    """`kdctl phases`: the assessment of the roadmap; with `run`, the gate behind every unmet
+    criterion (of the phases in `only`) runs first, and the answers come from what it recorded."""
+    with using(inv, session) as s:
+        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate, session=s)
+        if found.phases is None:
+            raise InputError(f"{inv.path}: no roadmap selected (set roadmap: or --roadmap)")
+        if not run:
+            return found
+        run_criteria(
+            inv,
+            store,
+            found.phases,
+            roadmap=roadmap,
+            phases=only,
+            on_start=on_start,
+            progress=progress,
+            session=s,
+        )
+        return assess(inv, store, roadmap=roadmap, target=target, candidate=candidate, session=s)
 
 
 def default_baseline(inv: LoadedInventory, backend: str) -> str | None:

@@ -13,10 +13,10 @@ from typing import Any, Literal
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from kdctl import __version__
-from kdctl.checks.result import GateResult, utcnow
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore
 from kdctl.readiness import Readiness
+from kdctl.records import GateResult, utcnow
 from kdctl.roadmap import PhaseReport
 
 Format = Literal["markdown", "html", "junit", "json"]

@@ -12,6 +12,7 @@ from kdctl.backends import EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
 from kdctl.checks import provenance_for
 from kdctl.errors import KdctlError
+from kdctl.evidence import EvidenceStore
 from kdctl.inventory import BackendSpec, LoadedInventory
 from kdctl.probes import (
     GpuProbe,
@@ -22,7 +23,7 @@ from kdctl.probes import (
     probe_service,
     probe_xids,
 )
-from kdctl.readiness import Answers, LatestVerdict
+from kdctl.readiness import Answers, LatestVerdict, assess, latest_verdicts
 from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
 from kdctl.session import Identity, Session, using
 from kdctl.traffic import Journal
@@ -147,6 +148,24 @@ def _identify(
         notes.append(f"engine serves {info.model}, inventory says {spec.model}")
     status.detail = "; ".join(notes) or None
     return info
+
+
+def status_report(
+    inventory: LoadedInventory, store: EvidenceStore, *, deadline_s: float = 20.0
+) -> StatusReport:
+    """`kdctl status`: the live probes, then the three answers from the same session, so
+    every host is dialled and every engine asked who it is once."""
+    with Session(inventory) as session:
+        report = collect_status(inventory, deadline_s=deadline_s, session=session)
+        report.answers = assess(
+            inventory,
+            store,
+            timeout_s=min(deadline_s, 15.0),
+            serving=report.serving,
+            session=session,
+        ).answers
+    report.gates = latest_verdicts(inventory, store)
+    return report
 
 
 def collect_status(

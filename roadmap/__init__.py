@@ -11,7 +11,13 @@ from kdctl.roadmap._evaluate import (
     evaluate_criterion,
     pinned_settings,
 )
-from kdctl.roadmap._load import ResolvedCriterion, Roadmap, load_roadmap, roadmap_path
+from kdctl.roadmap._load import (
+    ResolvedCriterion,
+    Roadmap,
+    check_roadmap,
+    load_roadmap,
+    roadmap_path,
+)
 from kdctl.roadmap._model import Criterion, Phase, RoadmapSpec
 
 __all__ = [
@@ -24,6 +30,7 @@ __all__ = [
     "ResolvedCriterion",
     "Roadmap",
     "RoadmapSpec",
+    "check_roadmap",
     "evaluate",
     "evaluate_criterion",
     "load_roadmap",

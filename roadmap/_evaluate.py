@@ -15,11 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from kdctl.checks import freshness_window, gate_settings, with_settings
-from kdctl.checks.result import GateResult, Metric, utcnow
 from kdctl.evidence import EvidenceStore, freshness
-from kdctl.evidence.freshness import age_text
+from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
+from kdctl.records import GateResult, Metric, utcnow
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap
 from kdctl.roadmap._trend import Trend, load_theilslopes, requirements, trend_of
 from kdctl.session import Identity

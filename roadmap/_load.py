@@ -116,6 +116,13 @@ def roadmap_path(inv: LoadedInventory, override: Path | None = None) -> Path | N
     return Path(str(shipped)) if shipped.is_file() else path
 
 
+def check_roadmap(inv: LoadedInventory) -> Roadmap | None:
+    """`inventory check` checks the roadmap the inventory names too: a phase naming an unknown
+    backend is the inventory's problem as much as the roadmap's."""
+    path = roadmap_path(inv)
+    return load_roadmap(path, inv) if path is not None else None
+
+
 def load_roadmap(path: Path, inv: LoadedInventory) -> Roadmap:
     doc = read_mapping(path, "roadmap", "'title', 'serving', 'candidate' and 'phases'")
     try:

@@ -18,8 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks.result import GateResult, Metric
 from kdctl.inventory.models import parse_threshold
+from kdctl.records import GateResult, Metric
 
 Direction = Literal["toward", "away", "flat", "too few points"]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kdctl.checks.result import Baseline, GateResult, Metric, Provenance, utcnow
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore, export_evidence, freshness, import_evidence
 from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
+from kdctl.records import Baseline, GateResult, Metric, Provenance, utcnow
 from tests.conftest import kdctl, write_inventory
 
 PROV = Provenance(

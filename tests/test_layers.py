@@ -12,15 +12,17 @@ from tests.conftest import REPO
 LAYERS: list[tuple[str, ...]] = [
     ("kdctl", "kdctl.errors", "kdctl._limits", "kdctl._redact", "kdctl._statefile"),
     ("kdctl.inventory",),
+    # What a gate decides and evidence keeps: GateResult, Baseline, Metric, Provenance.
+    ("kdctl.records",),
     ("kdctl.transports",),
     ("kdctl.probes",),
     ("kdctl.backends",),
-    ("kdctl.load",),
+    ("kdctl.loadgen",),
     ("kdctl.checks",),
     ("kdctl.evidence",),
     # One command's connections and who each engine is, shared by everything above.
     ("kdctl.session",),
-    ("kdctl.gating",),
+    ("kdctl.recording",),
     ("kdctl.roadmap",),
     # What a router holds now, read back, and the journal: read by the answers below.
     (
@@ -34,8 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kdctl.serving",),
     ("kdctl.readiness",),
     # Moving traffic consults the answers (the preflight).
-    ("kdctl.traffic.cutover", "kdctl.traffic.operations"),
-    ("kdctl.status", "kdctl.render", "kdctl.report", "kdctl.sandbox"),
+    ("kdctl.traffic.runner", "kdctl.traffic.operations"),
+    ("kdctl.status", "kdctl.tables", "kdctl.report", "kdctl.sandbox"),
     ("kdctl.cli", "kdctl.__main__"),
 ]
 # Where each installed package lives in the checkout (pyproject's package-dir).

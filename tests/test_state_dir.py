@@ -30,8 +30,8 @@ def _inventory(tmp_path: Path, state: Path, url: str | None = None) -> Path:
 
 def _seed(state: Path) -> bytes:
     """One recorded result, through kdctl's own store: the evidence that must survive."""
-    from kdctl.checks.result import GateResult, utcnow
     from kdctl.evidence import EvidenceStore
+    from kdctl.records import GateResult, utcnow
 
     with EvidenceStore.in_state_dir(state) as store:
         now = utcnow()

@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from kdctl.backends import GenerateRequest, HttpBackend, make_backend
 from kdctl.inventory import BackendSpec
-from kdctl.load import (
+from kdctl.loadgen import (
     LineSplitter,
     LoadPlan,
     arrival_offsets,

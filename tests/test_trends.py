@@ -45,10 +45,10 @@ ROADMAP = {
 def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
     """An inventory, and a history of throughput results (days ago, ratio, engine version)
     imported through `kdctl evidence import`."""
-    from kdctl.checks._gate import gate_settings
-    from kdctl.checks.result import GateResult, Metric, Provenance
+    from kdctl.checks._base import gate_settings
     from kdctl.evidence import EvidenceStore, export_evidence
     from kdctl.inventory import load_inventory
+    from kdctl.records import GateResult, Metric, Provenance
 
     (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
     inv_path = write_inventory(

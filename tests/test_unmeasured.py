@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kdctl.checks.promotion import promotion_result
-from kdctl.checks.result import Metric, decide, utcnow
 from kdctl.inventory import load_inventory
+from kdctl.records import Metric, decide, utcnow
 from tests.conftest import kdctl, write_inventory
 
 

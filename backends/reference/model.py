@@ -60,8 +60,9 @@ LARGE_DEEPSEEK_V3: dict[str, Any] = {
     "v_head_dim": 128,
 }
 LARGE_TRAINING: dict[str, Any] = {"lr": 5e-4, "grad_clip": 1.0}
+Size = Literal["tiny", "large"]
 # make_model's keyword arguments for each size the CLI offers (`make-model --size`).
-SIZES: dict[str, dict[str, Any]] = {
+SIZES: dict[Size, dict[str, Any]] = {
     "tiny": {},
     "large": {"config_overrides": LARGE_DEEPSEEK_V3, **LARGE_TRAINING},
 }
@@ -75,6 +76,24 @@ class ModelReport:
     train_steps: int
     final_loss: float | None
     quantization: dict[str, Any] | None
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out),
+            "arch": self.arch,
+            "parameters": self.parameters,
+            "train_steps": self.train_steps,
+            "final_loss": self.final_loss,
+            "quantization": self.quantization,
+        }
+
+    def describe(self) -> str:
+        q = self.quantization
+        quant = f", {q['method']} g{q.get('group_size', '?')}" if q else ""
+        return (
+            f"{self.arch} model with {self.parameters:,} parameters{quant} written to "
+            f"{self.out} (trained {self.train_steps} steps, loss {self.final_loss})"
+        )
 
 
 def corpus_text() -> str:
@@ -213,6 +232,27 @@ def quantize_w4a16(model: Any, group_size: int) -> dict[str, Any]:
         "symmetric": True,
         "weights": names,
     }
+
+
+def make_sized_model(
+    arch: Arch,
+    out: Path,
+    *,
+    size: Size = "tiny",
+    settings: Sequence[str] = (),
+    device: str = "cpu",
+    **kwargs: Any,
+) -> ModelReport:
+    """`make-model`: a size's config and training step, with `FIELD=VALUE` settings over them."""
+    if size != "tiny" and arch != "deepseek_v3":
+        raise InputError(f"--size {size} is a deepseek_v3 config; --arch is {arch}")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InputError(f"--device: {device!r} is not cpu, cuda or cuda:N")
+    sized = dict(SIZES[size])
+    overrides = {**sized.pop("config_overrides", {}), **parse_config_settings(settings)}
+    return make_model(
+        arch, out, device=device, config_overrides=overrides or None, **sized, **kwargs
+    )
 
 
 def make_model(

@@ -1,10 +1,11 @@
 """Evidence: every gate result and baseline, with provenance, in an SQLite file."""
 
-from kdctl.evidence.freshness import Freshness, freshness
+from kdctl.evidence._freshness import Freshness, freshness
 from kdctl.evidence.store import DB_NAME, EvidenceStore
 from kdctl.evidence.transfer import (
     ENV_KEY,
     EvidenceFile,
+    Imported,
     export_evidence,
     import_evidence,
     read_evidence_file,
@@ -16,6 +17,7 @@ __all__ = [
     "EvidenceFile",
     "EvidenceStore",
     "Freshness",
+    "Imported",
     "export_evidence",
     "freshness",
     "import_evidence",

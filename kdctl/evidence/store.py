@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from kdctl._redact import scrub_data
 from kdctl._statefile import explain, guarded
-from kdctl.checks.result import Baseline, BaselineKind, GateResult
 from kdctl.errors import InputError
 from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
+from kdctl.records import Baseline, BaselineKind, GateResult
 
 DB_NAME = "evidence.sqlite"
 

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdctl import __version__
 from kdctl._limits import check_size, load_json
-from kdctl.checks.result import Baseline, GateResult, content_hash, utcnow
 from kdctl.errors import InputError
 from kdctl.evidence.store import EvidenceStore
+from kdctl.records import Baseline, GateResult, content_hash, utcnow
 
 ENV_KEY = "KDCTL_EVIDENCE_KEY"
 # Golden outputs of a large corpus with top-k logprobs run to tens of megabytes; a gigabyte is
@@ -41,6 +41,20 @@ class EvidenceFile(BaseModel):
     baselines: list[Baseline] = Field(default_factory=list)
     digest: str = ""
     hmac_sha256: str | None = None
+
+    def text(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+    def write(self, path: Path) -> None:
+        """Whole or not at all: a full disk or a kill mid-write leaves the old file, never a
+        truncated export that a later import would refuse as damaged."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(self.text())
+            tmp.replace(path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise InputError(f"{path}: cannot write: {exc.strerror}") from None
 
 
 def _payload(doc: EvidenceFile) -> dict[str, Any]:

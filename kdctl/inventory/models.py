@@ -1,7 +1,8 @@
 """The inventory's schema: hosts, backends, the router, gate settings, where state lives.
 
-Field names follow DESIGN.md section 2; scripts and reports rely on that shape. Every model
-forbids unknown fields, so a typo is an error with a line number rather than a silent default.
+Field names are the inventory format README.md documents; scripts and reports rely on that
+shape. Every model forbids unknown fields, so a typo is an error with a line number rather
+than a silent default.
 """
 
 from __future__ import annotations

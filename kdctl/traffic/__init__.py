@@ -1,6 +1,6 @@
 """Traffic: the router drivers (nginx, SGLang's router) and what they hold now, and the
 cutover journal. Moving traffic (the planner, the runner, cutover and rollback) lives in
-`kdctl.traffic.cutover` and `kdctl.traffic.operations`, a layer above the readiness answers
+`kdctl.traffic.runner` and `kdctl.traffic.operations`, a layer above the readiness answers
 they consult; nothing here imports them."""
 
 from kdctl.traffic._router import (

@@ -21,8 +21,8 @@ from pydantic import BaseModel
 
 from kdctl._redact import scrub, scrub_data
 from kdctl._statefile import explain, guarded
-from kdctl.checks.result import utcnow
 from kdctl.errors import KdctlError
+from kdctl.records import utcnow
 
 # "abandoned": an interrupted cutover that a later cutover or rollback superseded; it is never
 # resumed.

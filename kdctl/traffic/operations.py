@@ -7,14 +7,16 @@ from collections.abc import Callable
 from datetime import datetime
 
 from kdctl.checks.promotion import promotion_result
-from kdctl.checks.result import GateResult, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
 from kdctl.readiness import assess
+from kdctl.records import GateResult, utcnow
 from kdctl.session import Session, using
 from kdctl.traffic._router import Router, RouterState
-from kdctl.traffic.cutover import (
+from kdctl.traffic.journal import CutoverRecord, Journal
+from kdctl.traffic.routers import make_router
+from kdctl.traffic.runner import (
     DEFAULT_STEPS,
     CutoverOutcome,
     Plan,
@@ -24,8 +26,6 @@ from kdctl.traffic.cutover import (
     plan_cutover,
     restore,
 )
-from kdctl.traffic.journal import CutoverRecord, Journal
-from kdctl.traffic.routers import make_router
 
 # Asked before anything changes; False stops there. The CLI answers from --yes or a terminal.
 Confirm = Callable[[str], bool]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.progress import (
@@ -18,12 +20,16 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from kdctl.checks.result import Baseline, GateResult
-from kdctl.evidence.freshness import age_text
+from kdctl.checks import Gate
+from kdctl.evidence import Imported
+from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.readiness import Answers
+from kdctl.records import Baseline, GateResult
 from kdctl.roadmap import CriterionStatus, Measured, PhaseReport
+from kdctl.sandbox import SandboxStatus
 from kdctl.status import StatusReport
+from kdctl.traffic.runner import CutoverOutcome, Plan
 
 _STATE_STYLE = {"up": "green", "starting": "yellow", "down": "red", "unknown": "magenta"}
 
@@ -353,3 +359,58 @@ def phases_table(report: PhaseReport) -> Group:
     for note in report.notes:
         parts.append(Text(f"note: {note}", "yellow"))
     return Group(*parts)
+
+
+def gate_lines(known: Mapping[str, type[Gate]]) -> list[str]:
+    return [
+        f"{name:<16} {g.description}{' (needs --baseline)' if g.needs_baseline else ''}"
+        for name, g in sorted(known.items())
+    ]
+
+
+def gates_document(known: Mapping[str, type[Gate]]) -> dict[str, Any]:
+    return {
+        "gates": [
+            {
+                "name": name,
+                "description": g.description,
+                "needs_baseline": g.needs_baseline,
+                "default_freshness_s": int(g.freshness_window.total_seconds()),
+            }
+            for name, g in sorted(known.items())
+        ]
+    }
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    head = f"plan: {plan.strategy} from {plan.from_backend} to {plan.to_backend} ({plan.reason})"
+    return [head, *(f"  {i + 1}. {step.describe()}" for i, step in enumerate(plan.steps))]
+
+
+def outcome_line(outcome: CutoverOutcome) -> str:
+    line = f"cutover {outcome.id}: {outcome.state}"
+    if outcome.reason:
+        line += f": {outcome.reason}"
+    if outcome.router is not None:
+        line += f"; router now sends {outcome.router.weights}"
+    if outcome.downtime_s is not None:
+        line += f"; downtime {outcome.downtime_s:.2f}s"
+    return line
+
+
+def imported_line(file: Path, done: Imported) -> str:
+    trust = (
+        "signed (HMAC verified with KDCTL_EVIDENCE_KEY)"
+        if done.signed
+        else "unsigned: its digest shows it is intact, not who made it (set KDCTL_EVIDENCE_KEY "
+        "on both sides, and evidence.require_signed to refuse such files)"
+    )
+    return f"{file}: {done.added} record(s) added, {done.already_present} already present; {trust}"
+
+
+def sandbox_lines(st: SandboxStatus) -> list[str]:
+    lines = []
+    for p in st.processes:
+        state = f"running, pid {p.pid}" if p.running else "stopped"
+        lines.append(f"{p.name:<16} {state:<20} {p.url or ''}")
+    return [*lines, f"inventory: {st.inventory}"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from kdctl.checks.result import GateResult, Provenance, utcnow
+from kdctl.records import GateResult, Provenance, utcnow
 
 # The fields that say "this is the same engine on the same model and hardware".
 _IDENTITY = (

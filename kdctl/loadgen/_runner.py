@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from kdctl.backends import DONE, GenerateRequest, HttpBackend, sse_data
 from kdctl.backends.errors import BackendError
 from kdctl.backends.health import bearer
-from kdctl.load._clients import RequestFailed, StreamClient, client_class
-from kdctl.load._stats import SLO, BenchMetrics, RequestRecord
+from kdctl.loadgen._clients import RequestFailed, StreamClient, client_class
+from kdctl.loadgen._stats import SLO, BenchMetrics, RequestRecord
 
 # (requests finished, requests in the run): called on the event loop after each one.
 Progress = Callable[[int, int], None]

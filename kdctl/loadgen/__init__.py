@@ -1,15 +1,15 @@
 """kdctl's load generator: streamed requests at a fixed concurrency or on Poisson arrivals,
 measured as `vllm bench serve` measures them, through each backend's own protocol."""
 
-from kdctl.load._clients import (
+from kdctl.loadgen._clients import (
     CLIENTS,
     LineSplitter,
     RequestFailed,
     StreamClient,
     client_class,
 )
-from kdctl.load._runner import LoadPlan, Progress, arrival_offsets, run_load
-from kdctl.load._stats import (
+from kdctl.loadgen._runner import LoadPlan, Progress, arrival_offsets, run_load
+from kdctl.loadgen._stats import (
     SLO,
     BenchMetrics,
     RequestRecord,

@@ -27,20 +27,30 @@ from pydantic import BaseModel
 from kdctl.backends import GenerateRequest, HttpBackend, make_backend
 from kdctl.backends.health import probe_health
 from kdctl.checks.promotion import promotion_result
-from kdctl.checks.result import GateResult, Verdict, utcnow
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
-from kdctl.gating import run_gates
 from kdctl.inventory import BackendSpec, LoadedInventory
-from kdctl.load import BenchMetrics, LoadPlan, histogram_quantile, run_load
+from kdctl.loadgen import BenchMetrics, LoadPlan, histogram_quantile, run_load
+from kdctl.recording import run_gates
+from kdctl.records import GateResult, Verdict, utcnow
 from kdctl.serving import front_api_key
 from kdctl.session import Session
-from kdctl.traffic._router import Router, RouterError, RouterState
+from kdctl.traffic._router import Router, RouterState
 from kdctl.traffic.journal import Journal
 
 Strategy = Literal["blue-green", "canary", "swap"]
 StepKind = Literal["set-weights", "watch", "drain", "stop", "start", "smoke-gate"]
 DEFAULT_STEPS = (5, 25, 50, 100)
+
+
+def parse_steps(text: str) -> tuple[int, ...]:
+    """`--steps 5,25,50,100`: the canary's weights; the planner judges their order and range."""
+    try:
+        return tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise InputError(
+            f"--steps: {text!r} is not a list of percentages like 5,25,50,100"
+        ) from None
 
 
 class Step(BaseModel):
@@ -268,7 +278,7 @@ class Runner:
             )
         bad = [r for r in results if r.verdict != "pass"]
         if bad:
-            raise RouterError(
+            raise AnalysisFailed(
                 "smoke gate failed: "
                 + "; ".join(f"{r.gate} {r.verdict}: {(r.reasons or [''])[0]}" for r in bad)
             )
@@ -314,7 +324,7 @@ class Runner:
                     broke.append(f"{plan.to_backend} health {health.state}: {health.detail}")
                 if broke:
                     self.watches.append({"sent": sent, "failed": failed, "broke": broke})
-                    raise RouterError("SLO breach during the canary: " + "; ".join(broke))
+                    raise AnalysisFailed("SLO breach during the canary: " + "; ".join(broke))
         finally:
             be.close()
         watch: dict[str, Any] = {
@@ -336,7 +346,7 @@ class Runner:
                 slo = settings.slo_ttft_ms
                 if slo is not None and engine_ms > slo:
                     self.watches.append(watch)
-                    raise RouterError(
+                    raise AnalysisFailed(
                         f"SLO breach during the canary: {plan.to_backend}'s own TTFT {pct} "
                         f"{engine_ms:.0f} ms over the window exceeds the SLO of {slo:g} ms"
                     )
@@ -367,6 +377,13 @@ class Runner:
             self.downtime_s = round(time.monotonic() - self.drained_at, 3)
         _best_effort(self.journal.finish, cid, "rolled_back", reason)
         return "rolled_back"
+
+
+class AnalysisFailed(KdctlError):
+    """A step's analysis judged the new backend unfit (the smoke gate, the canary's SLO watch):
+    a negative verdict, not a broken router, so traffic goes back and the exit is 1."""
+
+    exit_code = 1
 
 
 class CutoverAborted(KdctlError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from importlib.metadata import entry_points
@@ -11,17 +11,20 @@ from typing import Any, ClassVar
 
 from kdctl import __version__
 from kdctl.backends import Backend, EngineInfo
-from kdctl.checks.result import (
-    Baseline,
-    BaselineKind,
-    GateResult,
-    Provenance,
-    content_hash,
-    utcnow,
-)
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration
+from kdctl.records import (
+    Baseline,
+    BaselineKind,
+    GateResult,
+    Metric,
+    Provenance,
+    Verdict,
+    content_hash,
+    decide,
+    utcnow,
+)
 from kdctl.transports import Transport
 
 # How the caller hands a gate the recorded baseline for a workload: gates read evidence through
@@ -65,6 +68,35 @@ class Gate(abc.ABC):
     @abc.abstractmethod
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...
 
+    def result(
+        self,
+        ctx: GateContext,
+        backend: str,
+        *,
+        started: datetime,
+        baseline: str | None = None,
+        verdict: Verdict | None = None,
+        metrics: Sequence[Metric] = (),
+        reasons: Sequence[str] = (),
+        info: EngineInfo | None = None,
+        workload: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> GateResult:
+        """This gate's result, ending now, with the provenance of what it measured; the
+        verdict, unless given, is `decide(metrics)`: a threshold unmeasured never passes."""
+        return GateResult(
+            gate=self.name,
+            backend=backend,
+            baseline=baseline,
+            verdict=decide(metrics) if verdict is None else verdict,
+            metrics=list(metrics),
+            reasons=list(reasons),
+            provenance=provenance_of(ctx, backend, info, workload),
+            details=details or {},
+            started_at=started,
+            ended_at=utcnow(),
+        )
+
     def errored(
         self,
         ctx: GateContext,
@@ -77,15 +109,15 @@ class Gate(abc.ABC):
         started: datetime,
     ) -> GateResult:
         """A run that could not measure: verdict error, saying why, with what was known."""
-        return GateResult(
-            gate=self.name,
-            backend=backend,
+        return self.result(
+            ctx,
+            backend,
+            started=started,
             baseline=baseline,
             verdict="error",
             reasons=[str(exc)],
-            provenance=provenance_of(ctx, backend, info, workload),
-            started_at=started,
-            ended_at=utcnow(),
+            info=info,
+            workload=workload,
         )
 
 

@@ -14,7 +14,8 @@ from kdctl.backends._types import (
     StreamChunk,
     TokenLogprob,
 )
-from kdctl.backends.health import HealthResult, probe_health
+from kdctl.backends.health import HealthResult, probe_health, wait_http
+from kdctl.backends.openai import vllm_argv
 
 __all__ = [
     "DONE",
@@ -32,4 +33,6 @@ __all__ = [
     "make_backend",
     "probe_health",
     "sse_data",
+    "vllm_argv",
+    "wait_http",
 ]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
+from pathlib import Path
 from typing import Literal
 
 import httpx
 from pydantic import BaseModel, SecretStr
+
+from kdctl.errors import InfraError
 
 BackendState = Literal["up", "starting", "down", "unknown"]
 
@@ -63,3 +67,41 @@ def probe_health(
         )
     detail = "authentication failed" if code in (401, 403) else f"HTTP {code}"
     return HealthResult(state="unknown", latency_ms=latency, status_code=code, detail=detail)
+
+
+def wait_http(
+    url: str,
+    *,
+    deadline_s: float = 120.0,
+    want: int = 200,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> None:
+    """Until GET `url` answers `want`: how the sandbox, the tests and the benchmarks wait for a
+    server they started. With `proc`, a server that exits fails at once, with its log's tail
+    rather than a wait to the deadline."""
+    deadline = time.monotonic() + deadline_s
+    last = "nothing yet"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise InfraError(f"the server for {url} exited ({proc.returncode}){_tail(log)}")
+        try:
+            status = httpx.get(url, timeout=2).status_code
+            if status == want:
+                return
+            last = f"HTTP {status}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        time.sleep(0.1)
+    raise InfraError(
+        f"{url} did not answer {want} within {deadline_s:g}s (last: {last}){_tail(log)}"
+    )
+
+
+def _tail(log: Path | None, chars: int = 3000) -> str:
+    if log is None:
+        return ""
+    try:
+        return ":\n" + log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return f" (no log at {log})"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -207,3 +209,34 @@ class OpenAIBackend(HttpBackend):
 def _token_id(token: str) -> int | None:
     match = _TOKEN_ID.match(token)
     return int(match.group(1)) if match else None
+
+
+def vllm_argv(
+    python: Path | str,
+    model: Path | str,
+    port: int,
+    *,
+    served_name: str,
+    max_model_len: int = 1024,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The command line of vLLM's OpenAI-compatible server on loopback, as the tests and the
+    benchmarks start it (its CPU build: a modest share of memory, a short context)."""
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--gpu-memory-utilization",
+        "0.3",
+        *extra,
+    ]

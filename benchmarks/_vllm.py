@@ -9,13 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
+from kdctl.backends import vllm_argv, wait_http
 
 # Where scripts/bootstrap-vllm installs vLLM's CPU build (its own venv: its torch is not ours).
 VLLM_PYTHON = Path(
@@ -96,20 +95,6 @@ def make_tiny_llama(out: Path, train_steps: int, settings: Sequence[str] = ()) -
     return out
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}):\n{tail(log)}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not answer within {timeout:.0f} s:\n{tail(log)}")
-
-
 def tail(log: Path, chars: int = 3000) -> str:
     try:
         return log.read_text(errors="replace")[-chars:]
@@ -165,32 +150,14 @@ def vllm_server(
         omp = list(cpus[:-1]) if len(cpus) > 1 else list(cpus)
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, omp))
         pin = ["taskset", "--cpu-list", ",".join(map(str, cpus))]
-    cmd = [
-        *pin,
-        str(VLLM_PYTHON),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        served_name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "1024",
-        "--gpu-memory-utilization",
-        "0.3",
-        *extra,
-    ]
+    cmd = [*pin, *vllm_argv(VLLM_PYTHON, model, port, served_name=served_name, extra=extra)]
     with log.open("wb") as fh:
         proc = subprocess.Popen(
             cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(f"{url}/health", proc, log, timeout=600)
+        wait_http(f"{url}/health", deadline_s=600, proc=proc, log=log)
         yield url
     finally:
         stop(proc)

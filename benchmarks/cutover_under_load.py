@@ -32,6 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kdctl.backends import wait_http  # noqa: E402
 from kdctl.backends.reference import serve_argv  # noqa: E402
 from kdctl.inventory import load_inventory  # noqa: E402
 from kdctl.traffic import make_router, router_argv  # noqa: E402
@@ -50,18 +51,6 @@ def serve(model: Path) -> tuple[subprocess.Popen[bytes], str]:
         stderr=subprocess.DEVNULL,
     )
     return proc, f"http://127.0.0.1:{port}"
-
-
-def wait(url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 class Load:
@@ -131,8 +120,8 @@ def run_driver(kind: str, models: Path, work: Path, requests: int) -> dict[str, 
     router_proc = None
     pidfile = None
     try:
-        wait(base_url + "/health")
-        wait(cand_url + "/health")
+        wait_http(base_url + "/health", deadline_s=180)
+        wait_http(cand_url + "/health", deadline_s=180)
         port = free_port()
         router: dict[str, object] = {
             "kind": kind,
@@ -175,7 +164,7 @@ def run_driver(kind: str, models: Path, work: Path, requests: int) -> dict[str, 
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            wait(f"http://127.0.0.1:{port}/readiness", timeout=60)
+            wait_http(f"http://127.0.0.1:{port}/readiness", deadline_s=60)
         front = f"http://127.0.0.1:{port}"
         with TransportPool(inv) as pool, Load(front) as load:
             driver = make_router(inv, pool)

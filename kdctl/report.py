@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,9 +16,10 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from kdctl import __version__
 from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore
+from kdctl.inventory.models import parse_threshold
 from kdctl.readiness import Readiness
 from kdctl.records import GateResult, utcnow
-from kdctl.roadmap import PhaseReport
+from kdctl.roadmap import CriterionStatus, PhaseReport
 
 Format = Literal["markdown", "html", "junit", "json"]
 FORMATS: dict[str, str] = {
@@ -60,10 +62,49 @@ class DivergenceChart:
     rows: list[DivergenceRow]
 
 
+@dataclass(frozen=True)
+class HistoryPoint:
+    x: float
+    y: float
+    label: str
+
+
+@dataclass(frozen=True)
+class VersionMark:
+    x: float
+    version: str
+
+
+@dataclass(frozen=True)
+class HistoryChart:
+    """One criterion's results over time in a W x H box: the threshold as a line, a mark
+    where the engine version changed, the projection dashed to the forecast crossing."""
+
+    title: str
+    reason: str
+    points: list[HistoryPoint]
+    threshold_y: float
+    versions: list[VersionMark]
+    # (x1, y1, x2, y2) from the newest point to the crossing, when there is a forecast.
+    projection: tuple[float, float, float, float] | None
+    x_labels: tuple[str, str]
+    y_labels: tuple[str, str]
+    regression: str | None
+
+    @property
+    def polyline(self) -> str:
+        return " ".join(f"{p.x},{p.y}" for p in self.points)
+
+
+# The plot area of a history chart, in SVG units.
+HISTORY_BOX = (48.0, 28.0, 500.0, 188.0)
+
+
 @dataclass
 class Charts:
     throughput: list[BarChart] = field(default_factory=list)
     exactness: list[DivergenceChart] = field(default_factory=list)
+    history: list[HistoryChart] = field(default_factory=list)
 
 
 def parse_formats(text: str) -> list[Format]:
@@ -136,6 +177,51 @@ def _exactness_chart(result: GateResult) -> DivergenceChart | None:
     )
 
 
+def _history_chart(c: CriterionStatus) -> HistoryChart | None:
+    t = c.trend
+    if t is None or len(t.history) < 2 or t.threshold is None:
+        return None
+    op, limit = parse_threshold(t.threshold)
+    start = t.history[0].at
+    end = t.eta if t.eta is not None else t.history[-1].at
+    span = max((end - start).total_seconds(), 1.0)
+    values = [p.value for p in t.history]
+    low, high = min(*values, limit), max(*values, limit)
+    pad = (high - low) * 0.1 or abs(high) * 0.1 or 1.0
+    low, high = low - pad, high + pad
+    left, top, right, bottom = HISTORY_BOX
+
+    def x(at: datetime) -> float:
+        return round(left + (right - left) * (at - start).total_seconds() / span, 1)
+
+    def y(value: float) -> float:
+        return round(bottom - (bottom - top) * (value - low) / (high - low), 1)
+
+    points = [
+        HistoryPoint(x(p.at), y(p.value), f"{p.at:%Y-%m-%d} {p.value:.4g}") for p in t.history
+    ]
+    versions = [
+        VersionMark(x(p.at), p.engine_version or "?")
+        for prev, p in pairwise(t.history)
+        if p.engine_version != prev.engine_version
+    ]
+    projection = None
+    if t.eta is not None:
+        newest = points[-1]
+        projection = (newest.x, newest.y, x(t.eta), y(limit))
+    return HistoryChart(
+        title=f"{c.phase}/{c.name}: {t.metric} {op} {limit:g}",
+        reason=t.reason,
+        points=points,
+        threshold_y=y(limit),
+        versions=versions,
+        projection=projection,
+        x_labels=(f"{start:%Y-%m-%d}", f"{end:%Y-%m-%d}"),
+        y_labels=(f"{low:.3g}", f"{high:.3g}"),
+        regression=t.regression,
+    )
+
+
 def collect_charts(store: EvidenceStore, phases: PhaseReport | None) -> Charts:
     """Charts from the evidence each criterion was judged by, newest first, one per result."""
     charts = Charts()
@@ -144,6 +230,9 @@ def collect_charts(store: EvidenceStore, phases: PhaseReport | None) -> Charts:
     seen: set[str] = set()
     for phase in phases.phases:
         for c in phase.criteria:
+            history = _history_chart(c)
+            if history is not None:
+                charts.history.append(history)
             if c.evidence_id is None or c.evidence_id in seen:
                 continue
             seen.add(c.evidence_id)

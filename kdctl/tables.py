@@ -326,11 +326,16 @@ def _pins(pinned: dict[str, object]) -> str:
 def phases_table(report: PhaseReport) -> Group:
     head = Text(f"{report.title} ({report.roadmap}); target {report.target}", "bold")
     table = Table(title="Phases", title_justify="left")
-    for col in ("phase", "status", "criteria met", "title"):
+    for col in ("phase", "status", "criteria met", "first done", "forecast", "title"):
         table.add_column(col)
     for p in report.phases:
         table.add_row(
-            _t(p.id), Text(p.status, _PHASE_STYLE[p.status]), f"{p.met}/{p.total}", _t(p.title)
+            _t(p.id),
+            Text(p.status, _PHASE_STYLE[p.status]),
+            f"{p.met}/{p.total}",
+            f"{p.first_done_at:%Y-%m-%d}" if p.first_done_at else "-",
+            _t(p.eta_detail or "-"),
+            _t(p.title),
         )
     unmet = Table(title="Unmet criteria", title_justify="left")
     cols = ("phase", "criterion", "state", "threshold", "pins", "last measured", "age", "trend")
@@ -353,7 +358,7 @@ def phases_table(report: PhaseReport) -> Group:
                 _t(_trend(c)),
                 Text(c.reason[:160]),
             )
-    parts: list[Text | Table] = [head, table]
+    parts: list[Text | Table] = [head, table, Text(f"pace: {report.pace_detail}")]
     if unmet.row_count:
         parts.append(unmet)
     for note in report.notes:

@@ -74,6 +74,13 @@ class PhaseStatus(BaseModel):
     met: int
     total: int
     criteria: list[CriterionStatus]
+    # From the history: the first moment every criterion's newest result passed, freshness
+    # aside (a phase done once and undone later keeps its date).
+    first_done_at: datetime | None = None
+    # Not done: the latest crossing among its unmet criteria's trends, "if they hold"; None
+    # with the criteria that have no forecast named in `eta_detail`.
+    eta: datetime | None = None
+    eta_detail: str | None = None
 
 
 class PhaseReport(BaseModel):
@@ -88,6 +95,9 @@ class PhaseReport(BaseModel):
     target_reachable: bool
     blocking: list[CriterionStatus] = []
     notes: list[str] = []
+    # Phases first done per week, from the first to the latest first-done date.
+    pace_per_week: float | None = None
+    pace_detail: str = ""
 
     @property
     def remaining(self) -> list[PhaseStatus]:
@@ -148,6 +158,7 @@ def evaluate(
             status = "blocked"
         else:
             status = "remaining"
+        eta, eta_detail = _phase_eta(cs) if status != "done" else (None, None)
         phases.append(
             PhaseStatus(
                 id=phase.id,
@@ -158,11 +169,15 @@ def evaluate(
                 met=met,
                 total=len(cs),
                 criteria=cs,
+                first_done_at=_first_done(resolved[phase.id], histories),
+                eta=eta,
+                eta_detail=eta_detail,
             )
         )
     prerequisites = roadmap.prerequisites(target)
     blocking = [c for pid in prerequisites for c in criteria[pid] if not c.met]
     notes = sorted({i.note for i in identities.values() if i.note})
+    pace, pace_detail = _pace([p.first_done_at for p in phases if p.first_done_at is not None])
     return PhaseReport(
         roadmap=str(roadmap.path),
         title=roadmap.spec.title,
@@ -174,6 +189,56 @@ def evaluate(
         target_reachable=not blocking,
         blocking=blocking,
         notes=notes,
+        pace_per_week=pace,
+        pace_detail=pace_detail,
+    )
+
+
+def _first_done(
+    criteria: list[ResolvedCriterion],
+    histories: Mapping[tuple[str, str], list[GateResult]],
+) -> datetime | None:
+    """The first moment at which each criterion's newest result (then) passed."""
+    oldest_first = [list(reversed(histories[(c.phase, c.name)])) for c in criteria]
+    if not criteria or not all(oldest_first):
+        return None
+    for moment in sorted({r.ended_at for h in oldest_first for r in h}):
+        then = [next((r for r in reversed(h) if r.ended_at <= moment), None) for h in oldest_first]
+        if all(_passes(c, r) for c, r in zip(criteria, then, strict=True)):
+            return moment
+    return None
+
+
+def _passes(c: ResolvedCriterion, result: GateResult | None) -> bool:
+    return result is not None and _verdict(c, result) == "pass" and not _require(c, result)[1]
+
+
+def _phase_eta(criteria: list[CriterionStatus]) -> tuple[datetime | None, str | None]:
+    unmet = [c for c in criteria if not c.met]
+    if not unmet:
+        return None, None
+    dated = [(c.trend.eta, c) for c in unmet if c.trend is not None and c.trend.eta is not None]
+    if len(dated) < len(unmet):
+        named = "; ".join(
+            f"{c.name} ({c.trend.reason if c.trend else 'no numeric requirement'})"
+            for c in unmet
+            if c.trend is None or c.trend.eta is None
+        )
+        return None, f"unknown: no forecast for {named}"
+    eta, last = max(dated, key=lambda pair: pair[0])
+    return eta, f"about {eta:%Y-%m-%d}, limited by {last.name}"
+
+
+def _pace(done_at: list[datetime]) -> tuple[float | None, str]:
+    if len(done_at) < 2:
+        return None, f"none yet ({len(done_at)} of the phases done; a pace needs two)"
+    first, last = min(done_at), max(done_at)
+    weeks = (last - first).total_seconds() / (7 * 86400)
+    if weeks <= 0:
+        return None, f"none yet ({len(done_at)} phases first done at the same moment)"
+    pace = (len(done_at) - 1) / weeks
+    return round(pace, 3), (
+        f"{pace:.2g} phases a week ({len(done_at)} done from {first:%Y-%m-%d} to {last:%Y-%m-%d})"
     )
 
 

@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kdctl.backends import wait_http
 from kdctl.backends.reference import serve_argv
+from kdctl.errors import InfraError
 from tests.support.sshd import SSHD, SshdFleet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,15 +33,21 @@ def _need(binary: str, what: str) -> None:
     pytest.skip(f"{what} is not installed ({binary})")
 
 
-def need_sglang_router() -> None:
-    """SGLang's router is a real part the tests run: missing under CI fails the run."""
+def need_module(module: str, extra: str) -> None:
+    """A library a real part needs (torch for the reference engine, scipy for trends): missing
+    under CI fails the run, as a missing server does, instead of skipping its tests."""
     import importlib.util
 
-    if importlib.util.find_spec("sglang_router") is not None:
+    if importlib.util.find_spec(module) is not None:
         return
     if os.environ.get("CI"):
-        pytest.fail("SGLang's router (the router extra) is not installed; .ci/run must install it")
-    pytest.skip("SGLang's router (the router extra) is not installed")
+        pytest.fail(f"{module} (the {extra} extra) is not installed; .ci/run must install it")
+    pytest.skip(f"{module} (the {extra} extra) is not installed")
+
+
+def need_sglang_router() -> None:
+    """SGLang's router is a real part the tests run."""
+    need_module("sglang_router", "router")
 
 
 @dataclass
@@ -125,27 +132,10 @@ def need_nginx() -> str:
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
-def wait_http(url: str, *, timeout: float = 120.0, want: int = 200) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(url, timeout=2)
-            if r.status_code == want:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as exc:
-            last = type(exc).__name__
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer {want} within {timeout}s (last: {last})")
-
-
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny models, made once through the real CLI: deepseek_v3 and its W4A16 variant."""
-    pytest.importorskip("torch")
+    need_module("torch", "reference")
     root = tmp_path_factory.mktemp("models")
     made = {"dsv3": root / "tiny-deepseek-v3", "dsv3-int4": root / "tiny-deepseek-v3-w4a16"}
     for args in (
@@ -188,8 +178,8 @@ def serve_reference(model: Path, *, api_key: str | None = None) -> Served:
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{url}/health")
-    except RuntimeError:
+        wait_http(f"{url}/health", proc=proc)
+    except InfraError:
         proc.kill()
         raise
     return Served(url, model, api_key, proc)

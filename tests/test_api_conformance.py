@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from kdctl.checks.api_conformance import compare, differences, merge, shape
-from tests.conftest import Served, engine_pair, kdctl, write_inventory
+from tests.conftest import Served, engine_pair, kdctl, need_module, write_inventory
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 
 def test_the_same_api_conforms(

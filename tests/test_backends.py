@@ -24,12 +24,12 @@ from kdctl.backends.errors import (
 )
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
-from tests.conftest import Served
+from tests.conftest import Served, need_module
 from tests.support.faulty import Endless, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 
 def spec(kind: str, url: str, **extra: object) -> BackendSpec:

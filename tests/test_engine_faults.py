@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Served, kdctl, write_inventory
+from tests.conftest import Served, kdctl, need_module, write_inventory
 from tests.support.faulty import Endless, NotJson, Quiet, serve
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 TIMEOUT_S = 2.0
 

@@ -8,12 +8,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from tests.conftest import Served, engine_pair, kdctl, serve_reference, write_inventory
+from tests.conftest import Served, engine_pair, kdctl, need_module, serve_reference, write_inventory
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 ROADMAP = {
     "title": "Binding test",

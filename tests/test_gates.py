@@ -11,9 +11,9 @@ import pytest
 
 from kdctl.checks.exactness import compare_prompt
 from kdctl.evidence import EvidenceStore
-from tests.conftest import Served, kdctl, native_http, write_inventory
+from tests.conftest import Served, kdctl, native_http, need_module, write_inventory
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 KEY = "sk-test-7f1e"
 
 

@@ -17,9 +17,10 @@ from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec, HostSpec
 from kdctl.transports import CommandResult, LocalTransport, Transport
 from kdctl.transports.ssh import SSHTransport
+from tests.conftest import need_module
 from tests.support.sshd import SshdFleet, free_port
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 
 @pytest.fixture

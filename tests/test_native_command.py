@@ -12,9 +12,9 @@ from kdctl.backends import GenerateRequest, make_backend
 from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
 from kdctl.inventory import BackendSpec
 from kdctl.transports import LocalTransport
-from tests.conftest import kdctl
+from tests.conftest import kdctl, need_module
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 
 def native(command: list[str], tmp_path: Path) -> object:

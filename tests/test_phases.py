@@ -4,8 +4,6 @@ three answers; the reports (JUnit read by a JUnit parser, HTML rendered by headl
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,12 +19,14 @@ from tests.conftest import (
     engine_pair,
     kdctl,
     native_http,
+    need_module,
     ssh_home,
     write_inventory,
 )
+from tests.support.chromium import CHROMIUM, colours, screenshot
 from tests.support.sshd import free_port
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 KEY = "sk-test-7f1e"
 ENV = {"KDCTL_TEST_INT4_KEY": KEY}
 
@@ -256,40 +256,12 @@ def test_report_formats_junit_and_html_in_chromium(setup: Any, tmp_path: Path) -
     assert "&lt;b&gt;roadmap&lt;/b&gt;" in md and "<b>" not in md
     assert "<svg" in html and html.count("<svg") >= 4  # progress, throughput x3, exactness
 
-    _need("/usr/bin/chromium", "Chromium (apt-get install chromium)")
-    shot = tmp_path / "report.png"
-    profile = tmp_path / "chromium-profile"
-    subprocess.run(
-        [
-            shutil.which("chromium") or "/usr/bin/chromium",
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={profile}",
-            "--window-size=1200,2400",
-            f"--screenshot={shot}",
-            (out / "report.html").as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    from PIL import Image
-
-    with Image.open(shot) as img:
-        assert img.size == (1200, 2400)
-        rgb = img.convert("RGB")
-        colors = rgb.getcolors(maxcolors=1 << 20) or []
-        # A blank page is one colour; the charts bring their greens, reds and blues.
-        assert len(colors) > 50
-        drawn = [rgb_ for _, rgb_ in colors]
-        assert any(r < 80 and g > 120 and b < 110 for r, g, b in drawn), "no green bar drawn"
-        assert any(r > 170 and g < 90 and b < 80 for r, g, b in drawn), "no red mark drawn"
+    _need(CHROMIUM, "Chromium (apt-get install chromium)")
+    drawn = colours(screenshot(out / "report.html", tmp_path / "report.png"))
+    # A blank page is one colour; the charts bring their greens, reds and blues.
+    assert len(drawn) > 50
+    assert any(r < 80 and g > 120 and b < 110 for r, g, b in drawn), "no green bar drawn"
+    assert any(r > 170 and g < 90 and b < 80 for r, g, b in drawn), "no red mark drawn"
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.conftest import kdctl, need_module
 
-from tests.conftest import kdctl
-
-torch = pytest.importorskip("torch")
+need_module("torch", "reference")
+import torch  # noqa: E402
 
 
 def _digest(folder: Path) -> dict[str, str]:

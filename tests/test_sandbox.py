@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, kdctl, need_sglang_router
+from tests.conftest import REPO, kdctl, need_module, need_sglang_router
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 
 def _alive(pid: int) -> bool:

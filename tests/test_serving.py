@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import Served, engine_pair, kdctl, write_inventory
+from tests.conftest import Served, engine_pair, kdctl, need_module, write_inventory
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 WORKLOAD = {"input_len": 8, "output_len": 4, "concurrency": [2], "num_prompts": 8}
 ROADMAP = {

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Run, Served, engine_pair, kdctl, write_inventory
+from tests.conftest import REPO, Run, Served, engine_pair, kdctl, need_module, write_inventory
 
 
 def _inventory(tmp_path: Path, state: Path, url: str | None = None) -> Path:
@@ -134,7 +134,7 @@ def _limit_file_size(limit: int) -> Any:
 def test_a_disk_that_fills_while_recording(
     tmp_path: Path, reference_server: Served, report: Any
 ) -> None:
-    pytest.importorskip("torch")
+    need_module("torch", "reference")
     state = tmp_path / "state"
     _seed(state)
     inv = _inventory(tmp_path, state, reference_server.url)

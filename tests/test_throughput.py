@@ -24,9 +24,9 @@ from kdctl.loadgen import (
     percentile,
     run_load,
 )
-from tests.conftest import Served, engine_pair, kdctl, write_inventory
+from tests.conftest import Served, engine_pair, kdctl, need_module, write_inventory
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 OUTPUT_LEN = 6
 PROMPTS = 8
 

@@ -22,10 +22,10 @@ from kdctl.checks.tp_health import (
 )
 from kdctl.probes.gpus import parse_compute_apps, parse_query_gpu
 from kdctl.probes.topology import parse_topo
-from tests.conftest import FIXTURES, kdctl, write_inventory
+from tests.conftest import FIXTURES, kdctl, need_module, write_inventory
 from tests.support.sshd import SshdFleet
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 H200 = FIXTURES / "nvidia-smi" / "h200-1gpu"
 IDLE = FIXTURES / "nvidia-smi" / "h200-idle"
 BUSY = FIXTURES / "nvidia-smi" / "h200-busy"

@@ -19,21 +19,22 @@ import httpx
 import pytest
 import yaml
 
+from kdctl.backends import wait_http
 from kdctl.backends.reference import serve_argv
 from kdctl.traffic import router_argv
 from tests.conftest import (
     Served,
     engine_pair,
     kdctl,
+    need_module,
     need_sglang_router,
     serve_reference,
-    wait_http,
     write_inventory,
 )
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 ROADMAP = {
     "title": "Traffic test",
@@ -382,7 +383,7 @@ def sglang_router(reference_server: Served) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(url + "/readiness", timeout=60)
+        wait_http(url + "/readiness", deadline_s=60)
         yield url
     finally:
         proc.terminate()

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import kdctl, serve_reference
+from tests.conftest import kdctl, need_module, serve_reference
 from tests.test_traffic import Load, _front, _kill_when, front, weights
 
-pytest.importorskip("torch")
+need_module("torch", "reference")
 
 __all__ = ["front"]  # the fixture, shared with tests/test_traffic.py
 

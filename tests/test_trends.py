@@ -9,13 +9,13 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from tests.conftest import kdctl, write_inventory
+from tests.conftest import _need, kdctl, need_module, write_inventory
+from tests.support.chromium import CHROMIUM, colours, screenshot
 from tests.support.sshd import free_port
 
-pytest.importorskip("scipy")
+need_module("scipy", "trends")
 
 ROADMAP = {
     "title": "Trend test",
@@ -119,6 +119,65 @@ def test_rising_toward_the_threshold_gives_a_date_with_a_range(tmp_path: Path) -
     assert "if throughput-parity/throughput:candidate keeps moving +0.00" in line
     phases = " ".join(kdctl("phases", "-i", str(inv)).out.split())
     assert f"ETA {eta:%Y-%m-%d}" in phases
+
+    # The phase's own forecast is its unmet criteria's latest crossing; a phase with a
+    # criterion that has none says which.
+    doc = json.loads(kdctl("phases", "-i", str(inv), "--json").out)
+    parity, cutover = doc["phases"]
+    assert datetime.fromisoformat(parity["eta"]) == eta
+    assert parity["eta_detail"] == f"about {eta:%Y-%m-%d}, limited by throughput:candidate"
+    assert cutover["eta"] is None
+    assert cutover["eta_detail"].startswith("unknown: no forecast for soak")
+    assert parity["first_done_at"] is None and doc["pace_per_week"] is None
+
+
+def test_the_report_charts_the_history_with_its_threshold_versions_and_projection(
+    tmp_path: Path,
+) -> None:
+    inv = _setup(
+        tmp_path,
+        [(42, 0.42, "b1"), (28, 0.55, "b2"), (14, 0.61, "b2"), (1, 0.78, "b3")],
+    )
+    out = tmp_path / "report"
+    run = kdctl("report", "-i", str(inv), "-o", str(out), "-f", "html,markdown")
+    assert run.code == 1, run.err
+    html = (out / "report.html").read_text()
+    chart = html[html.index('aria-label="history of throughput-parity/throughput:candidate') :]
+    chart = chart[: chart.index("</svg>")]
+    assert chart.count("<circle") == 4 and chart.count("<polyline") == 1
+    # b1 -> b2 and b2 -> b3: two marks where the engine changed, each named.
+    assert chart.count('stroke-dasharray="2 3"') == 2 and ">b2<" in chart and ">b3<" in chart
+    assert chart.count('stroke-dasharray="6 4"') == 1  # the projection to the crossing
+    assert "about 20" in chart and "if *.ratio keeps moving" in chart
+    md = (out / "report.md").read_text()
+    assert "about 20" in md and "limited by throughput:candidate" in md
+
+    _need(CHROMIUM, "Chromium (apt-get install chromium)")
+    shot = tmp_path / "report-history.png"
+    drawn = colours(screenshot(out / "report.html", shot, size=(1200, 1400)))
+    assert any(abs(r - 59) < 12 and abs(g - 110) < 12 and abs(b - 168) < 12 for r, g, b in drawn)
+    assert any(abs(r - 179) < 12 and abs(g - 38) < 12 and abs(b - 30) < 12 for r, g, b in drawn)
+    assert any(abs(r - 138) < 12 and abs(g - 127) < 12 and abs(b - 196) < 12 for r, g, b in drawn)
+
+
+def test_phases_first_done_and_the_pace(tmp_path: Path) -> None:
+    # The ratio first reached 1.0 two weeks ago; the soak is signed off now.
+    inv = _setup(tmp_path, [(42, 0.9, "b1"), (28, 0.95, "b2"), (14, 1.02, "b3"), (1, 1.05, "b4")])
+    signed = kdctl(
+        "signoff", "-i", str(inv), "--backend", "candidate", "--by", "Ana", "--note", "ok"
+    )
+    assert signed.code == 0, signed.err
+    doc = json.loads(kdctl("phases", "-i", str(inv), "--json").out)
+    now = datetime.now(timezone.utc)
+    parity, cutover = doc["phases"]
+    assert parity["status"] == cutover["status"] == "done"
+    first = datetime.fromisoformat(parity["first_done_at"])
+    assert abs(first - (now - timedelta(days=14))) < timedelta(minutes=5)
+    assert abs(datetime.fromisoformat(cutover["first_done_at"]) - now) < timedelta(minutes=5)
+    assert parity["eta"] is None and parity["eta_detail"] is None
+    assert 0.49 < doc["pace_per_week"] < 0.51
+    table = " ".join(kdctl("phases", "-i", str(inv)).out.split())
+    assert f"{first:%Y-%m-%d}" in table and "pace: 0.5 phases a week (2 done from" in table
 
 
 def test_falling_away_gives_no_date(tmp_path: Path) -> None:

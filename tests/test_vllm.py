@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from kdctl.backends import GenerateRequest, make_backend
+from kdctl.backends import GenerateRequest, make_backend, vllm_argv, wait_http
+from kdctl.errors import InfraError
 from kdctl.inventory import BackendSpec
-from tests.conftest import kdctl, wait_http, write_inventory
+from tests.conftest import kdctl, write_inventory
 from tests.support.sshd import free_port
 
 VLLM_PYTHON = Path(
@@ -43,33 +44,17 @@ def vllm(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            [
-                str(VLLM_PYTHON),
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(llama),
-                "--served-model-name",
-                "tiny",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--max-model-len",
-                "1024",
-                "--gpu-memory-utilization",
-                "0.3",
-            ],
+            vllm_argv(VLLM_PYTHON, llama, port, served_name="tiny"),
             env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{url}/health", timeout=300)
-    except RuntimeError:
+        wait_http(f"{url}/health", deadline_s=300, proc=proc, log=log)
+    except InfraError:
         proc.kill()
-        raise RuntimeError(f"vLLM did not start: {log.read_text()[-3000:]}") from None
+        raise
     yield url
     proc.terminate()
     try:

@@ -249,24 +249,11 @@ class Runner:
             self.router.drain()
             self.drained_at = time.monotonic()
             return "draining"
-        if step.kind in ("stop", "start"):
+        if step.kind == "stop" or step.kind == "start":
             assert step.backend is not None
-            return self._lifecycle(step.backend, step.kind)
+            return change_engine(self.inv, self.session, step.backend, step.kind)
         assert step.backend is not None
         return self._smoke(step.backend)
-
-    def _lifecycle(self, name: str, verb: str) -> str:
-        spec = self.inv.backends[name]
-        # Who the engine is changes with it: the next question about it is asked anew.
-        self.session.forget(name)
-        with self.session.backend(name) as be:
-            control = be.lifecycle(self.session.transport(spec.host))
-            if verb == "stop":
-                control.stop()
-                return f"{name} stopped"
-            control.start()
-            health = control.wait_ready(deadline_s=600)
-            return f"{name} ready ({health.state})"
 
     def _smoke(self, name: str) -> str:
         results = run_gates(self.inv, self.store, "health", name, None, session=self.session)
@@ -492,6 +479,25 @@ def _breaches(m: BenchMetrics, pct: str, ttft_ms: float | None, itl_ms: float | 
     return broke
 
 
+EngineChange = Literal["stop", "start"]
+
+
+def change_engine(inv: LoadedInventory, session: Session, name: str, verb: EngineChange) -> str:
+    """Stop an engine, or start it (unless it runs) and wait until it answers ready."""
+    spec = inv.backends[name]
+    # Who the engine is changes with it: the next question about it is asked anew.
+    session.forget(name)
+    with session.backend(name) as be:
+        control = be.lifecycle(session.transport(spec.host))
+        if verb == "stop":
+            control.stop()
+            return f"{name} stopped"
+        if control.state().state != "running":
+            control.start()
+        health = control.wait_ready(deadline_s=600)
+        return f"{name} ready ({health.state})"
+
+
 def restore(
     inv: LoadedInventory,
     router: Router,
@@ -513,18 +519,13 @@ def restore(
         router.drain()
         _best_effort(journal.step, cid, idx, "rollback-drain", {}, "done")
         idx += 1
-        for name, verb in ((plan.to_backend, "stop"), (plan.from_backend, "start")):
-            spec = inv.backends[name]
+        undo: tuple[tuple[str, EngineChange], ...] = (
+            (plan.to_backend, "stop"),
+            (plan.from_backend, "start"),
+        )
+        for name, verb in undo:
             _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "started")
-            session.forget(name)
-            with session.backend(name) as be:
-                control = be.lifecycle(session.transport(spec.host))
-                if verb == "stop":
-                    control.stop()
-                else:
-                    if control.state().state != "running":
-                        control.start()
-                    control.wait_ready(deadline_s=600)
+            change_engine(inv, session, name, verb)
             _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "done")
             idx += 1
     weights = {plan.from_backend: 100, plan.to_backend: 0}

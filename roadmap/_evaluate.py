@@ -129,7 +129,6 @@ def evaluate(
         {c.backend for c in with_evidence}
         | {c.baseline for c in with_evidence if c.baseline is not None}
     )
-    theilslopes = load_theilslopes()
     criteria: dict[str, list[CriterionStatus]] = {
         phase_id: [
             _with_trend(
@@ -137,7 +136,6 @@ def evaluate(
                 c,
                 histories[(c.phase, c.name)],
                 now,
-                theilslopes,
             )
             for c in cs
         ]
@@ -361,7 +359,6 @@ def _with_trend(
     c: ResolvedCriterion,
     history: list[GateResult],
     now: datetime,
-    theilslopes: Callable[..., object] | None,
 ) -> CriterionStatus:
     """The trend of the requirement that limits the criterion: the one with the latest
     crossing, or the first with none."""
@@ -370,7 +367,7 @@ def _with_trend(
     if not reqs:
         return status
     trends = [
-        trend_of(judged, pattern, op, limit, met=status.met, now=now, theilslopes=theilslopes)
+        trend_of(judged, pattern, op, limit, met=status.met, now=now, load=load_theilslopes)
         for pattern, op, limit in reqs
     ]
     unmet = [t for t in trends if not _holds(t)]

@@ -11,6 +11,7 @@ series that does not move toward the threshold.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import statistics
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -92,9 +93,10 @@ def trend_of(
     *,
     met: bool,
     now: datetime,
-    theilslopes: Callable[..., object] | None,
+    load: Callable[[], Callable[..., object] | None],
 ) -> Trend:
-    """`history` newest first, as the store lists it."""
+    """`history` newest first, as the store lists it. `load` gives scipy's `theilslopes`,
+    imported only for a series long enough to fit (the import costs most of a second)."""
     points = [
         TrendPoint(
             at=r.ended_at,
@@ -114,6 +116,7 @@ def trend_of(
             reason=f"too few points ({len(recent)} result{'s' if len(recent) != 1 else ''})",
             history=points,
         )
+    theilslopes = load()
     if theilslopes is None:
         return Trend(
             **base,
@@ -198,6 +201,7 @@ def _regression(
     )
 
 
+@functools.cache
 def load_theilslopes() -> Callable[..., object] | None:
     try:
         from scipy.stats import theilslopes

@@ -126,18 +126,20 @@ def compare_prompt(cand: dict[str, Any], base: dict[str, Any], mode: str) -> dic
     if first is None and len(c_ids) != len(b_ids):
         first = n
     end = n if first is None else first
-    worst = 0.0
+    diffs = []
     for pos in range(end):
         c_top = dict((int(t), lp) for t, lp in cand["top"][pos]) if pos < len(cand["top"]) else {}
         b_top = dict((int(t), lp) for t, lp in base["top"][pos]) if pos < len(base["top"]) else {}
-        for token in c_top.keys() & b_top.keys():
-            worst = max(worst, abs(c_top[token] - b_top[token]))
+        diffs += [abs(c_top[token] - b_top[token]) for token in c_top.keys() & b_top.keys()]
     out: dict[str, Any] = {
         "id": cand["id"],
         "matched_tokens": end,
         "tokens": len(b_ids),
         "first_divergence": first,
-        "max_top_logprob_diff": round(worst, 6),
+        "max_top_logprob_diff": round(max(diffs, default=0.0), 6),
+        # Summed, not averaged, so the gate's mean weighs every compared logprob alike.
+        "top_logprob_diffs": len(diffs),
+        "top_logprob_diff_sum": sum(diffs),
     }
     if first is None:
         # Two empty outputs agree on nothing: a prompt with no token compared is no match.
@@ -232,6 +234,12 @@ class ExactnessGate(Gate):
                     value=max(c["max_top_logprob_diff"] for c in compared),
                 ),
             ]
+            counted = sum(c["top_logprob_diffs"] for c in compared)
+            if counted:
+                # How far the candidate's logprobs sit from the baseline's where both chose
+                # the same tokens: what a quantized engine's error shows as, build by build.
+                mean = sum(c["top_logprob_diff_sum"] for c in compared) / counted
+                metrics.append(Metric(name="mean_top_logprob_diff", value=round(mean, 6)))
         return self.result(
             ctx,
             backend,

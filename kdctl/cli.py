@@ -600,6 +600,21 @@ def sandbox_up(
     _sandbox_out(st, json_)
 
 
+@sandbox_app.command("history")
+def sandbox_history(dir_: SandboxDirOpt = Path("sandbox"), json_: JsonOpt = False) -> None:
+    """Measure the INT4 engine's earlier builds and the one it serves, dated a week apart,
+    so status and phases forecast from a real history (once; then it lists them)."""
+    from kdctl.sandbox import record_history
+    from kdctl.tables import history_lines, progress_bars
+
+    with progress_bars(err, not json_) as progress:
+        points = record_history(dir_, progress=progress)
+    if json_:
+        _print_json({"history": [p.model_dump(mode="json") for p in points]})
+    else:
+        _print_lines(history_lines(points))
+
+
 @sandbox_app.command("status")
 def sandbox_status(dir_: SandboxDirOpt = Path("sandbox"), json_: JsonOpt = False) -> None:
     """Which of the sandbox's processes run. Exit 1 when any is stopped."""

@@ -25,6 +25,7 @@ from kdctl.inventory import LoadedInventory
 from kdctl.recording import run_gates
 from kdctl.roadmap import (
     PhaseReport,
+    PhaseStatus,
     Roadmap,
     evaluate,
     evaluate_criterion,
@@ -227,7 +228,7 @@ def _assess(
     soon = _soon(report) if report is not None and blocking else None
     answers = Answers(
         serving=_serving(inv, store, loaded, probe, identify, now),
-        remaining_phases=[f"{p.id} ({p.status})" for p in report.remaining] if report else [],
+        remaining_phases=[_remaining(p) for p in report.remaining] if report else [],
         cutover=CutoverAnswer(
             candidate=report.candidate if report else candidate,
             target=report.target if report else None,
@@ -246,6 +247,12 @@ def _assess(
     return Readiness(answers=answers, phases=report, identities=identities)
 
 
+def _remaining(phase: PhaseStatus) -> str:
+    if phase.eta is None:
+        return f"{phase.id} ({phase.status})"
+    return f"{phase.id} ({phase.status}, forecast {phase.eta:%Y-%m-%d})"
+
+
 def _soon(report: PhaseReport) -> Soon:
     """From the trends of the criteria that block the target: a date only when each has one."""
     without = [c for c in report.blocking if c.trend is None or c.trend.eta is None]
@@ -254,7 +261,15 @@ def _soon(report: PhaseReport) -> Soon:
             f"{c.phase}/{c.name} ({c.trend.reason if c.trend else 'no numeric requirement'})"
             for c in without[:4]
         )
-        return Soon(detail=f"no forecast for {named}" if named else "no forecast")
+        # The date stays unknown, but what the others' trends say is still worth knowing.
+        dated = [c for c in report.blocking if c.trend is not None and c.trend.eta is not None]
+        partial = "".join(
+            f"; {c.phase}/{c.name} would cross about {c.trend.eta:%Y-%m-%d} if it keeps moving "
+            f"{c.trend.slope_per_day:+.4g}/day"
+            for c in dated[:2]
+            if c.trend is not None and c.trend.eta is not None
+        )
+        return Soon(detail=(f"no forecast for {named}" if named else "no forecast") + partial)
     last = max(report.blocking, key=lambda c: c.trend.eta if c.trend and c.trend.eta else now_min())
     t = last.trend
     assert t is not None and t.eta is not None

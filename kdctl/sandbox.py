@@ -13,18 +13,32 @@ import signal
 import subprocess
 import time
 from contextlib import ExitStack
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel
 
-from kdctl.backends import make_backend
+from kdctl.backends import make_backend, wait_http
 from kdctl.backends.reference import serve_argv
+from kdctl.checks import with_settings
 from kdctl.errors import InfraError, InputError
+from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory, load_inventory
+from kdctl.recording import run_gates
+from kdctl.records import GateResult, utcnow
+from kdctl.roadmap import load_roadmap, roadmap_path
 from kdctl.traffic import router_argv
 from kdctl.transports import TransportPool
+
+# The INT4 W4A16 build the sandbox serves as candidate-int4: quantization groups of 4.
+INT4_GROUP = 4
+# Its earlier builds, coarser groups, and how many days back each is dated in the history.
+HISTORY_BUILDS = ((32, 21), (16, 14), (8, 7))
+HISTORY_PORT = 31002
+# The roadmap criterion the history is recorded for (roadmap/sandbox.yaml).
+HISTORY_PHASE, HISTORY_CRITERION = "int4", "int4-logprobs"
 
 ENGINES = {
     "baseline": ("sglang", "tiny-deepseek-v3", 30000),
@@ -193,7 +207,7 @@ def _make_models(root: Path, progress: Any) -> None:
     if not (quant / "config.json").exists():
         if progress:
             progress("models", 1, 2)
-        make_model("deepseek_v3", quant, quantize="w4a16", group_size=16, from_model=plain)
+        make_model("deepseek_v3", quant, quantize="w4a16", group_size=INT4_GROUP, from_model=plain)
     if progress:
         progress("models", 2, 2)
 
@@ -300,3 +314,139 @@ def down(root: Path) -> SandboxStatus:
             os.kill(pid, signal.SIGKILL)
     router_pidfile.unlink(missing_ok=True)
     return status(root)
+
+
+class HistoryPoint(BaseModel):
+    build: str
+    dated: datetime
+    measured_at: datetime
+    verdict: str
+    metrics: dict[str, float | int | None]
+
+
+def record_history(root: Path, *, progress: Any = None) -> list[HistoryPoint]:
+    """The INT4 engine's history for `kdctl status` and `phases` to forecast from: its earlier
+    builds (coarser quantization groups) and the one it serves now, each served here and
+    measured now by the roadmap's int4 criterion, the earlier ones dated a week apart into the
+    past (said so in each result's details). Recorded once; a second call lists what is there."""
+    root = root.resolve()
+    inv_path = root / "inventory.yaml"
+    if not inv_path.exists():
+        raise InputError(f"{root}: no sandbox here (kdctl sandbox up --dir {root})")
+    inv = load_inventory(inv_path)
+    path = roadmap_path(inv)
+    assert path is not None
+    criterion = next(
+        c
+        for cs in load_roadmap(path, inv).criteria(None).values()
+        for c in cs
+        if (c.phase, c.name) == (HISTORY_PHASE, HISTORY_CRITERION)
+    )
+    settings = dict(criterion.spec.settings)
+    with EvidenceStore.in_state_dir(inv.state_dir) as store:
+        kept = [
+            r
+            for r in store.results(gate=criterion.gate, backend=criterion.backend)
+            if "history" in r.details
+        ]
+        if not kept:
+            kept = _measure_history(root, inv, criterion.gate, settings, store, progress)
+    return [
+        HistoryPoint(
+            build=str(r.details["history"]["build"]),
+            dated=r.ended_at,
+            measured_at=datetime.fromisoformat(r.details["history"]["measured_at"]),
+            verdict=r.verdict,
+            metrics={m.name: m.value for m in r.metrics if not isinstance(m.value, str)},
+        )
+        for r in sorted(kept, key=lambda r: r.ended_at)
+    ]
+
+
+def _measure_history(
+    root: Path,
+    inv: LoadedInventory,
+    gate: str,
+    settings: dict[str, Any],
+    store: EvidenceStore,
+    progress: Any,
+) -> list[GateResult]:
+    from kdctl.backends.reference.model import make_model
+
+    plain = root / "models" / "tiny-deepseek-v3"
+    work = root / "history"
+    kept: list[GateResult] = []
+    builds = [*HISTORY_BUILDS, (INT4_GROUP, 0)]
+    for i, (group, days) in enumerate(builds):
+        if progress:
+            progress("INT4 builds measured", i, len(builds))
+        build = f"w4a16 g{group}"
+        if days == 0:
+            # The build serving now, at its own URL.
+            with EvidenceStore(work / "state-now" / "evidence.sqlite") as own:
+                measured = _run(inv, gate, settings, own)
+        else:
+            model = work / "models" / f"tiny-deepseek-v3-w4a16-g{group}"
+            if not (model / "config.json").exists():
+                make_model(
+                    "deepseek_v3", model, quantize="w4a16", group_size=group, from_model=plain
+                )
+            measured = _measure_build(root, work, model, gate, settings, group)
+        ended = utcnow()
+        for r in measured:
+            dated = r.model_copy(
+                update={
+                    "started_at": r.started_at - timedelta(days=days),
+                    "ended_at": r.ended_at - timedelta(days=days),
+                    "details": {
+                        **r.details,
+                        "history": {
+                            "build": build,
+                            "measured_at": ended.isoformat(),
+                            "dated_back_days": days,
+                        },
+                    },
+                }
+            )
+            store.record(dated)
+            kept.append(dated)
+    if progress:
+        progress("INT4 builds measured", len(builds), len(builds))
+    return kept
+
+
+def _measure_build(
+    root: Path, work: Path, model: Path, gate: str, settings: dict[str, Any], group: int
+) -> list[GateResult]:
+    """An earlier build served on a spare port under candidate-int4's name, measured into a
+    store of its own (its results are dated back before they join the sandbox's)."""
+    doc = yaml.safe_load((root / "inventory.yaml").read_text())
+    spec = doc["backends"]["candidate-int4"]
+    spec["url"] = f"http://127.0.0.1:{HISTORY_PORT}"
+    spec["model"] = str(model)
+    spec.pop("service", None)
+    doc["state_dir"] = str(work / f"state-g{group}")
+    inv_path = work / f"inventory-g{group}.yaml"
+    inv_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    inv = load_inventory(inv_path)
+    log = work / f"serve-g{group}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            serve_argv(model, HISTORY_PORT, served_name=model.name),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_http(f"http://127.0.0.1:{HISTORY_PORT}/health", deadline_s=300, proc=proc, log=log)
+        with EvidenceStore.in_state_dir(inv.state_dir) as own:
+            return _run(inv, gate, settings, own)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+def _run(
+    inv: LoadedInventory, gate: str, settings: dict[str, Any], store: EvidenceStore
+) -> list[GateResult]:
+    return run_gates(with_settings(inv, gate, settings), store, gate, "candidate-int4", "baseline")

@@ -27,7 +27,7 @@ from kdctl.inventory import LoadedInventory
 from kdctl.readiness import Answers
 from kdctl.records import Baseline, GateResult
 from kdctl.roadmap import CriterionStatus, Measured, PhaseReport
-from kdctl.sandbox import SandboxStatus
+from kdctl.sandbox import HistoryPoint, SandboxStatus
 from kdctl.status import StatusReport
 from kdctl.traffic.runner import CutoverOutcome, Plan
 
@@ -419,3 +419,17 @@ def sandbox_lines(st: SandboxStatus) -> list[str]:
         state = f"running, pid {p.pid}" if p.running else "stopped"
         lines.append(f"{p.name:<16} {state:<20} {p.url or ''}")
     return [*lines, f"inventory: {st.inventory}"]
+
+
+def history_lines(points: list[HistoryPoint]) -> list[str]:
+    lines = []
+    for p in points:
+        shown = ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in p.metrics.items()
+            if k in ("mean_top_logprob_diff", "match_rate", "max_top_logprob_diff")
+        )
+        back = (p.measured_at - p.dated).days
+        when = f"dated {p.dated:%Y-%m-%d} ({back} days back)" if back else "serving now"
+        lines.append(f"{p.build:<10} {when:<30} {p.verdict:<5} {shown}")
+    return [*lines, f"measured {points[-1].measured_at:%Y-%m-%d %H:%M}Z" if points else "none"]

@@ -221,14 +221,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 # The longest files first: with a file per worker at a time, one started last would run alone
-# at the end (measured: vLLM's about four minutes, the sandbox's and traffic's two or three).
+# at the end (measured with three workers: each of these two to three and a half minutes).
 _LONGEST_FIRST = (
-    "test_vllm.py",
-    "test_traffic.py",
+    "test_swap_kills.py",
     "test_sandbox.py",
-    "test_traffic_faults.py",
     "test_phases.py",
     "test_serving.py",
+    "test_traffic_faults.py",
+    "test_vllm.py",
 )
 
 

@@ -121,8 +121,17 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path, need_nginx: str) -> None
     # A terminal table wraps the long line; the words are what count.
     assert re.search(r"speed: [\d.]+x baseline on\s+throughput:candidate's\s+workload", out)
     # The promotion the cutover recorded ends the last phase; the rollback's reopens it.
-    assert "2. Phases remaining: none" in out
-    assert re.search(r"promotion:candidate .* fail .* rolled back to", out)
+    # The INT4 phase is left, with the forecast its builds' trend gives (sandbox history).
+    assert re.search(
+        r"2\. Phases remaining \(1\): int4 \(remaining, forecast \d{4}-\d\d-\d\d\)", out
+    )
+    history = re.findall(
+        r"^w4a16 g(\d+) +(dated \d{4}-\d\d-\d\d \(\d+ days back\)|serving now)", out, re.M
+    )
+    assert [g for g, _ in history] == ["32", "16", "8", "4"], out[:3000]
+    assert codes["kdctl sandbox history"] == 0
+    # The row wraps in a terminal table; its cells hold the words.
+    assert re.search(r"promotion:candidate │ fail [\s\S]{0,800}?rolled back to", out)
     assert "rolled back: the router sends {'baseline': 100}" in out
     probe = re.search(r"probe load: (\d+) requests, (\d+) failed", out)
     assert probe and int(probe.group(1)) > 0 and probe.group(2) == "0", out[-2000:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -267,8 +267,11 @@ def make_model(
     device: str = "cpu",
     lr: float = 3e-3,
     grad_clip: float | None = None,
+    checkpoints: Mapping[int, Path] | None = None,
 ) -> ModelReport:
     """Write a tiny model and its tokenizer to `out`; the same arguments give the same bytes.
+    `checkpoints` (step -> folder) also keeps the model as it was after each of those steps:
+    the earlier builds of the same training run.
 
     `config_overrides` changes the architecture's config (a larger model: LARGE_DEEPSEEK_V3);
     `device` is where the weights are made and trained (saved from there as fp32). Nothing
@@ -278,6 +281,10 @@ def make_model(
     require_extra("torch", "transformers", "tokenizers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # Its load and save bars would bury the sandbox's own output.
+    hf_logging.disable_progress_bar()
 
     if train_steps < 0:
         raise InputError("--train-steps must be >= 0")
@@ -298,8 +305,23 @@ def make_model(
             config = _config(arch, config_overrides)
             with torch.device(device):
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            wanted = dict(checkpoints or {})
+            if any(not 0 < k < train_steps for k in wanted):
+                raise InputError(f"checkpoints must fall inside the {train_steps} steps")
+
+            def keep(step: int) -> None:
+                if step in wanted:
+                    model.eval()
+                    _save(model, tokenizer, wanted[step], arch, step, None, None, config_overrides)
+                    model.train()
+
             loss = _train(
-                model, tokenizer(text)["input_ids"], train_steps, lr=lr, grad_clip=grad_clip
+                model,
+                tokenizer(text)["input_ids"],
+                train_steps,
+                lr=lr,
+                grad_clip=grad_clip,
+                on_step=keep,
             )
             if loss is not None and not math.isfinite(loss):
                 raise InputError(f"training diverged (loss {loss}): lower the learning rate")
@@ -307,33 +329,49 @@ def make_model(
         quant = quantize_w4a16(model, group_size) if quantize == "w4a16" else None
         if quant is not None:
             model.config.update({QUANTIZATION_KEY: quant})
-        model.generation_config.do_sample = False
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        (out / "kdctl-model.json").write_text(
-            json.dumps(
-                {
-                    "arch": arch,
-                    "seed": SEED,
-                    "train_steps": steps,
-                    "final_loss": loss,
-                    "quantization": quant,
-                    **({"config_overrides": dict(config_overrides)} if config_overrides else {}),
-                    **({"trained_on": device, "lr": lr} if device != "cpu" else {}),
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        extra = {"trained_on": device, "lr": lr} if device != "cpu" else {}
+        _save(model, tokenizer, out, arch, steps, loss, quant, config_overrides, **extra)
         params = sum(p.numel() for p in model.parameters())
     finally:
         torch.set_num_threads(threads)
     return ModelReport(out, arch, params, steps, loss, quant)
 
 
+def _save(
+    model: Any,
+    tokenizer: Any,
+    out: Path,
+    arch: Arch,
+    steps: int,
+    loss: float | None,
+    quant: dict[str, Any] | None,
+    config_overrides: Mapping[str, Any] | None,
+    **extra: Any,
+) -> None:
+    model.generation_config.do_sample = False
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    meta = {
+        "arch": arch,
+        "seed": SEED,
+        "train_steps": steps,
+        "final_loss": loss,
+        "quantization": quant,
+        **({"config_overrides": dict(config_overrides)} if config_overrides else {}),
+        **extra,
+    }
+    (out / "kdctl-model.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def _train(
-    model: Any, ids: list[int], steps: int, *, lr: float = 3e-3, grad_clip: float | None = None
+    model: Any,
+    ids: list[int],
+    steps: int,
+    *,
+    lr: float = 3e-3,
+    grad_clip: float | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> float | None:
     import torch
 
@@ -346,7 +384,9 @@ def _train(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss_value = float("nan")
-    for _ in range(steps):
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         x = torch.stack([data[s : s + seq] for s in starts.tolist()]).to(device)
         out = model(input_ids=x, labels=x)

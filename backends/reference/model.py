@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -267,11 +267,8 @@ def make_model(
     device: str = "cpu",
     lr: float = 3e-3,
     grad_clip: float | None = None,
-    checkpoints: Mapping[int, Path] | None = None,
 ) -> ModelReport:
     """Write a tiny model and its tokenizer to `out`; the same arguments give the same bytes.
-    `checkpoints` (step -> folder) also keeps the model as it was after each of those steps:
-    the earlier builds of the same training run.
 
     `config_overrides` changes the architecture's config (a larger model: LARGE_DEEPSEEK_V3);
     `device` is where the weights are made and trained (saved from there as fp32). Nothing
@@ -305,23 +302,8 @@ def make_model(
             config = _config(arch, config_overrides)
             with torch.device(device):
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            wanted = dict(checkpoints or {})
-            if any(not 0 < k < train_steps for k in wanted):
-                raise InputError(f"checkpoints must fall inside the {train_steps} steps")
-
-            def keep(step: int) -> None:
-                if step in wanted:
-                    model.eval()
-                    _save(model, tokenizer, wanted[step], arch, step, None, None, config_overrides)
-                    model.train()
-
             loss = _train(
-                model,
-                tokenizer(text)["input_ids"],
-                train_steps,
-                lr=lr,
-                grad_clip=grad_clip,
-                on_step=keep,
+                model, tokenizer(text)["input_ids"], train_steps, lr=lr, grad_clip=grad_clip
             )
             if loss is not None and not math.isfinite(loss):
                 raise InputError(f"training diverged (loss {loss}): lower the learning rate")
@@ -365,13 +347,7 @@ def _save(
 
 
 def _train(
-    model: Any,
-    ids: list[int],
-    steps: int,
-    *,
-    lr: float = 3e-3,
-    grad_clip: float | None = None,
-    on_step: Callable[[int], None] | None = None,
+    model: Any, ids: list[int], steps: int, *, lr: float = 3e-3, grad_clip: float | None = None
 ) -> float | None:
     import torch
 
@@ -384,9 +360,7 @@ def _train(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss_value = float("nan")
-    for step in range(steps):
-        if on_step is not None:
-            on_step(step)
+    for _ in range(steps):
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         x = torch.stack([data[s : s + seq] for s in starts.tolist()]).to(device)
         out = model(input_ids=x, labels=x)

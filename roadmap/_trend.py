@@ -32,7 +32,10 @@ MIN_POINTS = 3
 class TrendPoint(BaseModel):
     at: datetime
     value: float
+    # Where it was measured: a chart marks where the engine changed between points.
     engine_version: str | None = None
+    model: str | None = None
+    host: str | None = None
     evidence_id: str
 
 
@@ -102,6 +105,8 @@ def trend_of(
             at=r.ended_at,
             value=v,
             engine_version=r.provenance.engine_version,
+            model=r.provenance.model_path,
+            host=r.provenance.host,
             evidence_id=r.id,
         )
         for r in reversed(history)

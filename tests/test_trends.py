@@ -75,7 +75,7 @@ def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
                     baseline="baseline",
                     verdict="pass" if ratio >= 1.0 else "fail",
                     metrics=[Metric(name="c8.ratio", value=ratio, threshold=1.0, comparison=">=")],
-                    provenance=Provenance(engine_version=version),
+                    provenance=Provenance(engine_version=version, model_path="tiny", host="local"),
                     settings=settings,
                     started_at=ended - timedelta(minutes=5),
                     ended_at=ended,
@@ -104,6 +104,8 @@ def test_rising_toward_the_threshold_gives_a_date_with_a_range(tmp_path: Path) -
     c, answers = _criterion(inv)
     t = c["trend"]
     assert (t["points"], t["direction"]) == (4, "toward")
+    assert [p["engine_version"] for p in t["history"]] == ["b1", "b2", "b3", "b4"]
+    assert {(p["model"], p["host"]) for p in t["history"]} == {("tiny", "local")}
     assert 0.005 < t["slope_per_day"] < 0.015
     eta = datetime.fromisoformat(t["eta"])
     now = datetime.now(timezone.utc)

@@ -233,6 +233,8 @@ def _start_router(inv: LoadedInventory, root: Path, router: str, pool: Transport
         )
         if run.returncode != 0:
             raise InfraError(f"nginx did not start: {run.stderr.strip()[-400:]}")
+        # Through the front to the baseline, which is ready by now.
+        wait_http(f"http://127.0.0.1:{FRONT_PORT}/health", deadline_s=60)
     else:
         pidfile = root / "run" / "router.pid"
         if _alive(_pid(pidfile)):
@@ -245,19 +247,12 @@ def _start_router(inv: LoadedInventory, root: Path, router: str, pool: Transport
             start_new_session=True,
         )
         pidfile.write_text(f"{proc.pid}\n")
-    _wait_port(FRONT_PORT)
-
-
-def _wait_port(port: int, deadline_s: float = 60) -> None:
-    import socket
-
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise InfraError(f"the sandbox's router did not listen on 127.0.0.1:{port}")
+        wait_http(
+            f"http://127.0.0.1:{FRONT_PORT}/readiness",
+            deadline_s=60,
+            proc=proc,
+            log=root / "log" / "router.log",
+        )
 
 
 def _router_pidfile(root: Path) -> Path:

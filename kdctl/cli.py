@@ -468,14 +468,15 @@ def err_print(message: str) -> None:
 
 
 def _print_lines(lines: list[str]) -> None:
+    # Whole lines, as print writes them: a path or URL broken across lines cannot be pasted.
     for line in lines:
-        out.print(line, markup=False)
+        out.print(line, markup=False, soft_wrap=True)
 
 
 def _store_for(inv: LoadedInventory) -> EvidenceStore:
-    from kdctl.evidence import EvidenceStore
+    from kdctl.evidence import open_store
 
-    return EvidenceStore.in_state_dir(inv.state_dir)
+    return open_store(inv)
 
 
 def _store(inventory: Path | None, state_dir: Path | None) -> EvidenceStore:
@@ -566,6 +567,35 @@ def evidence_import(
         _print_json({"file": str(file)} | done.model_dump())
         return
     _print_lines([imported_line(file, done)])
+
+
+@evidence_app.command("migrate")
+def evidence_migrate(
+    to: Annotated[
+        str, typer.Option("--to", help="postgresql://USER@HOST[:PORT]/DATABASE to copy into.")
+    ],
+    inventory: InventoryOpt = None,
+    state_dir: StateDirOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Copy this inventory's store (SQLite by default) into a PostgreSQL store, in one
+    transaction, verified by counts and a digest of every record. The password comes from the
+    inventory's evidence.password_env / password_file, or PGPASSWORD / PGPASSFILE."""
+    from kdctl.evidence import migrate, open_url
+
+    inv = _load(inventory, state_dir, engines=False)
+    with _store_for(inv) as source, open_url(to, password=inv.evidence_password()) as target:
+        done = migrate(source, target)
+    if json_:
+        _print_json(done)
+    else:
+        _print_lines(
+            [
+                f"copied {done.results} result(s) and {done.baselines} baseline(s) from "
+                f"{done.source} to {done.target} ({done.added} added, {done.already_present} "
+                f"already there); verified: digest {done.digest[:16]}"
+            ]
+        )
 
 
 SandboxDirOpt = Annotated[

@@ -24,7 +24,7 @@ from kdctl.backends import make_backend, wait_http
 from kdctl.backends.reference import serve_argv
 from kdctl.checks import with_settings
 from kdctl.errors import InfraError, InputError
-from kdctl.evidence import EvidenceStore
+from kdctl.evidence import DB_NAME, EvidenceStore, SqliteStore, open_store
 from kdctl.inventory import LoadedInventory, load_inventory
 from kdctl.recording import run_gates
 from kdctl.records import GateResult, utcnow
@@ -338,7 +338,7 @@ def record_history(root: Path, *, progress: Any = None) -> list[HistoryPoint]:
         if (c.phase, c.name) == (HISTORY_PHASE, HISTORY_CRITERION)
     )
     settings = dict(criterion.spec.settings)
-    with EvidenceStore.in_state_dir(inv.state_dir) as store:
+    with open_store(inv) as store:
         kept = [
             r
             for r in store.results(gate=criterion.gate, backend=criterion.backend)
@@ -378,7 +378,7 @@ def _measure_history(
         build = f"w4a16 g{group}"
         if days == 0:
             # The build serving now, at its own URL.
-            with EvidenceStore(work / "state-now" / "evidence.sqlite") as own:
+            with SqliteStore(work / "state-now" / "evidence.sqlite") as own:
                 measured = _run(inv, gate, settings, own)
         else:
             model = work / "models" / f"tiny-deepseek-v3-w4a16-g{group}"
@@ -434,7 +434,7 @@ def _measure_build(
         )
     try:
         wait_http(f"http://127.0.0.1:{HISTORY_PORT}/health", deadline_s=300, proc=proc, log=log)
-        with EvidenceStore.in_state_dir(inv.state_dir) as own:
+        with SqliteStore(inv.state_dir / DB_NAME) as own:
             return _run(inv, gate, settings, own)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

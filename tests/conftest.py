@@ -16,6 +16,7 @@ import yaml
 from kdctl.backends import wait_http
 from kdctl.backends.reference import serve_argv
 from kdctl.errors import InfraError
+from tests.support.postgres import Cluster, pg_bin, start_cluster, stop_cluster
 from tests.support.sshd import SSHD, SshdFleet
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,6 +101,27 @@ def ssh_home(root: Path) -> dict[str, str]:
 def write_inventory(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Cluster]:
+    """A real PostgreSQL cluster on loopback, for the shared evidence store."""
+    if os.geteuid() != 0:
+        pytest.skip("the PostgreSQL fixture runs initdb as the postgres user, which needs root")
+    _need(
+        str(pg_bin() or "/usr/lib/postgresql/VERSION/bin/initdb"),
+        "PostgreSQL (apt-get install postgresql)",
+    )
+    need_module("psycopg", "postgres")
+    cluster = start_cluster()
+    yield cluster
+    stop_cluster(cluster)
+
+
+@pytest.fixture
+def pg_url(postgres: Cluster) -> str:
+    """A fresh database of the cluster for one test."""
+    return postgres.create_database()
 
 
 @pytest.fixture(scope="session")

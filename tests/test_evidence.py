@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kdctl.errors import InputError
-from kdctl.evidence import EvidenceStore, export_evidence, freshness, import_evidence
+from kdctl.evidence import SqliteStore, export_evidence, freshness, import_evidence
 from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
 from kdctl.records import Baseline, GateResult, Metric, Provenance, utcnow
 from tests.conftest import kdctl, write_inventory
@@ -47,7 +47,7 @@ def result(
 
 
 def test_store_round_trip_in_wal_mode(tmp_path: Path) -> None:
-    with EvidenceStore(tmp_path / "state" / "evidence.sqlite") as store:
+    with SqliteStore(tmp_path / "state" / "evidence.sqlite") as store:
         assert store.schema_version == SCHEMA_VERSION
         old, new = result(age_s=600), result(age_s=5)
         store.record(old)
@@ -97,7 +97,7 @@ def test_an_older_database_is_migrated_with_its_data(tmp_path: Path) -> None:
     )
     db.commit()
     db.close()
-    with EvidenceStore(path) as store:
+    with SqliteStore(path) as store:
         assert store.schema_version == SCHEMA_VERSION == 2
         assert store.results() == [kept]
         assert store.baselines() == []  # the table migration 2 added
@@ -107,11 +107,11 @@ def test_a_newer_or_foreign_database_is_refused(tmp_path: Path) -> None:
     newer = tmp_path / "newer.sqlite"
     sqlite3.connect(newer).execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(InputError, match="newer than this kdctl understands"):
-        EvidenceStore(newer)
+        SqliteStore(newer)
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"this is not sqlite at all" * 100)
     with pytest.raises(InputError, match="the file is damaged"):
-        EvidenceStore(junk)
+        SqliteStore(junk)
 
 
 def test_freshness_by_age_and_by_provenance() -> None:
@@ -131,14 +131,14 @@ def test_freshness_by_age_and_by_provenance() -> None:
 
 
 def test_export_import_between_machines(tmp_path: Path) -> None:
-    box = EvidenceStore(tmp_path / "box.sqlite")
+    box = SqliteStore(tmp_path / "box.sqlite")
     for r in (result(), result(gate="exactness")):
         box.record(r)
     box.record_baseline(Baseline(backend="sglang", kind="throughput", workload_hash="w1"))
     doc = export_evidence(box)
     path = tmp_path / "evidence.json"
     path.write_text(doc.model_dump_json())
-    laptop = EvidenceStore(tmp_path / "laptop.sqlite")
+    laptop = SqliteStore(tmp_path / "laptop.sqlite")
     first = import_evidence(laptop, path)
     assert (first.added, first.already_present, first.signed) == (3, 0, False)
     again = import_evidence(laptop, path)
@@ -173,25 +173,25 @@ def _tamper(path: Path, edit: object) -> None:
 def test_tampered_or_malformed_imports_are_refused(
     tmp_path: Path, name: str, edit: object, needle: str
 ) -> None:
-    box = EvidenceStore(tmp_path / "box.sqlite")
+    box = SqliteStore(tmp_path / "box.sqlite")
     box.record(result(verdict="fail"))
     path = tmp_path / "e.json"
     path.write_text(export_evidence(box).model_dump_json())
     _tamper(path, edit)
-    target = EvidenceStore(tmp_path / "t.sqlite")
+    target = SqliteStore(tmp_path / "t.sqlite")
     with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         import_evidence(target, path)
     assert target.results() == []  # nothing half-applied
 
 
 def test_conflicting_id_refuses_the_whole_file(tmp_path: Path) -> None:
-    a = EvidenceStore(tmp_path / "a.sqlite")
+    a = SqliteStore(tmp_path / "a.sqlite")
     first, second = result(), result(gate="exactness")
     a.record(first)
     a.record(second)
     path = tmp_path / "e.json"
     path.write_text(export_evidence(a).model_dump_json())
-    b = EvidenceStore(tmp_path / "b.sqlite")
+    b = SqliteStore(tmp_path / "b.sqlite")
     b.record(second.model_copy(update={"verdict": "fail"}))  # same id, other content
     with pytest.raises(InputError, match=f"result {second.id} differs"):
         import_evidence(b, path)
@@ -199,32 +199,32 @@ def test_conflicting_id_refuses_the_whole_file(tmp_path: Path) -> None:
 
 
 def test_hmac_when_a_key_is_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    box = EvidenceStore(tmp_path / "box.sqlite")
+    box = SqliteStore(tmp_path / "box.sqlite")
     box.record(result())
     monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "shared-secret")
     signed = tmp_path / "signed.json"
     signed.write_text(export_evidence(box).model_dump_json())
-    done = import_evidence(EvidenceStore(tmp_path / "ok.sqlite"), signed, require_signed=True)
+    done = import_evidence(SqliteStore(tmp_path / "ok.sqlite"), signed, require_signed=True)
     assert (done.added, done.signed) == (1, True)
     monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "another")
     with pytest.raises(InputError, match="HMAC does not verify"):
-        import_evidence(EvidenceStore(tmp_path / "x.sqlite"), signed)
+        import_evidence(SqliteStore(tmp_path / "x.sqlite"), signed)
     monkeypatch.delenv("KDCTL_EVIDENCE_KEY")
     unsigned = tmp_path / "unsigned.json"
     unsigned.write_text(export_evidence(box).model_dump_json())
     monkeypatch.setenv("KDCTL_EVIDENCE_KEY", "shared-secret")
     with pytest.raises(InputError, match="carries no HMAC"):
-        import_evidence(EvidenceStore(tmp_path / "y.sqlite"), unsigned)
+        import_evidence(SqliteStore(tmp_path / "y.sqlite"), unsigned)
     monkeypatch.delenv("KDCTL_EVIDENCE_KEY")
     with pytest.raises(InputError, match="requires signed evidence"):
-        import_evidence(EvidenceStore(tmp_path / "z.sqlite"), unsigned, require_signed=True)
+        import_evidence(SqliteStore(tmp_path / "z.sqlite"), unsigned, require_signed=True)
 
 
 def test_evidence_cli(tmp_path: Path) -> None:
     inv = write_inventory(
         tmp_path / "inv.yaml", {"hosts": {"h": {"transport": "local"}}, "state_dir": "st"}
     )
-    with EvidenceStore(tmp_path / "st" / "evidence.sqlite") as store:
+    with SqliteStore(tmp_path / "st" / "evidence.sqlite") as store:
         r = result(verdict="fail")
         store.record(r)
     listed = kdctl("evidence", "list", "-i", str(inv), "--json")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kdctl.checks.exactness import compare_prompt
-from kdctl.evidence import EvidenceStore
+from kdctl.evidence import SqliteStore
 from tests.conftest import Served, kdctl, native_http, need_module, write_inventory
 
 need_module("torch", "reference")
@@ -87,7 +87,7 @@ def test_exactness_passes_for_the_same_model_served_twice(inventory: Any, tmp_pa
     assert prov["model_path"] == str(Path(tmp_path).parent / "x") or prov["model_path"].endswith(
         "tiny-deepseek-v3"
     )
-    with EvidenceStore(tmp_path / "state" / "evidence.sqlite") as store:
+    with SqliteStore(tmp_path / "state" / "evidence.sqlite") as store:
         assert store.latest("exactness", "candidate").id == result["id"]  # type: ignore[union-attr]
 
 

@@ -30,10 +30,10 @@ def _inventory(tmp_path: Path, state: Path, url: str | None = None) -> Path:
 
 def _seed(state: Path) -> bytes:
     """One recorded result, through kdctl's own store: the evidence that must survive."""
-    from kdctl.evidence import EvidenceStore
+    from kdctl.evidence import SqliteStore
     from kdctl.records import GateResult, utcnow
 
-    with EvidenceStore.in_state_dir(state) as store:
+    with SqliteStore(state / "evidence.sqlite") as store:
         now = utcnow()
         store.record(
             GateResult(

@@ -9,8 +9,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from kdctl.evidence import ENV_URL
 from tests.conftest import _need, kdctl, need_module, write_inventory
 from tests.support.chromium import CHROMIUM, colours, screenshot
 from tests.support.sshd import free_port
@@ -42,11 +44,21 @@ ROADMAP = {
 }
 
 
+@pytest.fixture(params=["sqlite", "postgres"], autouse=True)
+def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here on both stores: SQLite in the state directory, and a PostgreSQL
+    database (KDCTL_EVIDENCE_URL, its password in PGPASSWORD)."""
+    if request.param == "postgres":
+        cluster = request.getfixturevalue("postgres")
+        monkeypatch.setenv(ENV_URL, cluster.create_database())
+        monkeypatch.setenv("PGPASSWORD", cluster.password)
+
+
 def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
     """An inventory, and a history of throughput results (days ago, ratio, engine version)
     imported through `kdctl evidence import`."""
     from kdctl.checks._base import gate_settings
-    from kdctl.evidence import EvidenceStore, export_evidence
+    from kdctl.evidence import SqliteStore, export_evidence
     from kdctl.inventory import load_inventory
     from kdctl.records import GateResult, Metric, Provenance
 
@@ -65,7 +77,7 @@ def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
     )
     settings = gate_settings(load_inventory(inv_path), "throughput")
     now = datetime.now(timezone.utc)
-    with EvidenceStore(tmp_path / "ci.sqlite") as ci:
+    with SqliteStore(tmp_path / "ci.sqlite") as ci:
         for days_ago, ratio, version in series:
             ended = now - timedelta(days=days_ago)
             ci.record(

@@ -1,7 +1,10 @@
 """The evidence database's schema, as an ordered list of migrations.
 
 A database records the version it is at; opening it applies every later migration in one
-transaction. Never edit a released migration: add the next one.
+transaction. Never edit a released migration: add the next one. SQLite and PostgreSQL take the
+same list; PostgreSQL adds after a version what SQLite has built in (POSTGRES_AFTER): an
+insertion-order column like SQLite's rowid, so records that ended at the same instant list in
+the order they came.
 """
 
 from __future__ import annotations
@@ -38,3 +41,8 @@ MIGRATIONS: list[str] = [
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
+# By index into MIGRATIONS.
+POSTGRES_AFTER: dict[int, str] = {
+    0: "ALTER TABLE results ADD COLUMN seq BIGSERIAL",
+    1: "ALTER TABLE baselines ADD COLUMN seq BIGSERIAL",
+}

@@ -1,46 +1,82 @@
-"""The evidence store: gate results and baselines in one SQLite file in the state directory."""
+"""The evidence store: gate results and baselines, with one interface over two databases.
+
+SQLite, one file in the state directory, is the default and the sandbox's. PostgreSQL is a
+team's shared store (`evidence: {url: postgresql://...}` or KDCTL_EVIDENCE_URL): CI jobs on the
+GPU box record into it while a lead runs `kdctl status` from a laptop. Both hold the same
+schema, migrated by the same ordered list of versions (`_schema.py`); every write is one
+transaction, so a reader never sees half a result and a killed writer leaves nothing.
+"""
 
 from __future__ import annotations
 
+import abc
+import functools
 import json
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from pydantic import ValidationError
 
 from kdctl._redact import scrub_data
-from kdctl._statefile import explain, guarded
-from kdctl.errors import InputError
+from kdctl._statefile import explain
+from kdctl.errors import InputError, KdctlError
 from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
 from kdctl.records import Baseline, BaselineKind, GateResult
 
 DB_NAME = "evidence.sqlite"
 
+P = ParamSpec("P")
+T = TypeVar("T")
 
-class EvidenceStore:
-    def __init__(self, path: Path) -> None:
-        self.path = path
+
+def _guarded(
+    method: Callable[Concatenate[Any, P], T],
+) -> Callable[Concatenate[Any, P], T]:
+    """The store's own database errors as messages naming the store and what to do."""
+
+    @functools.wraps(method)
+    def wrapper(self: EvidenceStore, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise InputError(f"{path.parent}: cannot create the state directory: {exc}") from None
-        try:
-            self._db = sqlite3.connect(path, timeout=30, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._migrate()
-        except (sqlite3.Error, OSError) as exc:
-            raise explain(path, exc) from None
+            return method(self, *args, **kwargs)
+        except self.errors as exc:
+            raise self.explain(exc) from None
 
-    @classmethod
-    def in_state_dir(cls, state_dir: Path) -> EvidenceStore:
-        return cls(state_dir / DB_NAME)
+    return cast("Callable[Concatenate[Any, P], T]", wrapper)
 
-    def close(self) -> None:
-        self._db.close()
+
+class EvidenceStore(abc.ABC):
+    """Results and baselines: record, list newest first, get by id or prefix, merge."""
+
+    # For messages: the file, or the URL without its password.
+    where: str
+    # The database's own error types, which `explain` turns into kdctl's.
+    errors: tuple[type[BaseException], ...]
+    # A row's insertion order, to order records that ended at the same instant.
+    _order = "rowid"
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def explain(self, exc: BaseException) -> KdctlError: ...
+
+    @abc.abstractmethod
+    def _transaction(self) -> AbstractContextManager[Any]: ...
+
+    @abc.abstractmethod
+    def _query(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one statement, in `?` placeholder style."""
+
+    @abc.abstractmethod
+    def _run(self, db: Any, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        """One statement inside a transaction `_transaction` opened."""
+
+    @property
+    @abc.abstractmethod
+    def schema_version(self) -> int: ...
 
     def __enter__(self) -> EvidenceStore:
         return self
@@ -48,89 +84,92 @@ class EvidenceStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
-    @property
-    def schema_version(self) -> int:
-        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
-
-    def _migrate(self) -> None:
-        if self.schema_version == SCHEMA_VERSION:
-            return
-        # Under the write lock, and the version read again there: two kdctl processes opening
-        # a new store at once must not both create its tables.
-        with self._tx() as db:
-            current = self.schema_version
-            if current > SCHEMA_VERSION:
+    def _migrate(self, current: Callable[[Any], int], set_version: Callable[[Any], None]) -> None:
+        """Every later version in one transaction, the version read again under its lock:
+        two kdctl processes opening a new store at once must not both create its tables."""
+        with self._transaction() as db:
+            self._lock_schema(db)
+            found = current(db)
+            if found > SCHEMA_VERSION:
                 raise InputError(
-                    f"{self.path}: schema version {current} is newer than this kdctl "
+                    f"{self.where}: schema version {found} is newer than this kdctl "
                     f"understands ({SCHEMA_VERSION}); upgrade kdctl"
                 )
-            for version in range(current, SCHEMA_VERSION):
-                for statement in MIGRATIONS[version].split(";"):
+            if found == SCHEMA_VERSION:
+                return
+            for version in range(found, SCHEMA_VERSION):
+                for statement in self._dialect(version, MIGRATIONS[version]).split(";"):
                     if statement.strip():
-                        db.execute(statement)
-            # PRAGMA takes no parameters; the value is an int from our own list.
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                        self._run(db, statement)
+            set_version(db)
 
-    @guarded
+    @abc.abstractmethod
+    def _lock_schema(self, db: Any) -> None:
+        """Held until the migration's transaction ends."""
+
+    def _dialect(self, version: int, ddl: str) -> str:
+        return ddl
+
+    @_guarded
     def record(self, result: GateResult) -> None:
-        with self._tx() as db:
-            _insert(db, _scrubbed(result), None)
+        with self._transaction() as db:
+            self._insert(db, _scrubbed(result), None)
 
-    @guarded
+    @_guarded
     def record_baseline(self, baseline: Baseline) -> None:
-        with self._tx() as db:
-            _insert(db, _scrubbed(baseline), None)
+        with self._transaction() as db:
+            self._insert(db, _scrubbed(baseline), None)
 
-    def _load(self, rows: list[tuple[str]]) -> list[GateResult]:
+    def _load(self, rows: list[tuple[Any, ...]]) -> list[GateResult]:
         try:
             return [GateResult.model_validate_json(row[0]) for row in rows]
         except ValidationError as exc:
-            raise InputError(f"{self.path}: a stored result is corrupt: {exc}") from None
+            raise InputError(f"{self.where}: a stored result is corrupt: {exc}") from None
 
-    @guarded
+    @_guarded
     def results(
         self, *, gate: str | None = None, backend: str | None = None, limit: int | None = None
     ) -> list[GateResult]:
         """Newest first."""
-        sql = (
-            "SELECT body FROM results WHERE (? IS NULL OR gate = ?) AND (? IS NULL OR backend = ?)"
+        # Typed, so PostgreSQL knows what a NULL filter is.
+        where = (
+            "WHERE (CAST(? AS TEXT) IS NULL OR gate = ?)"
+            " AND (CAST(? AS TEXT) IS NULL OR backend = ?)"
         )
-        sql += " ORDER BY ended_at DESC, rowid DESC"
+        order = f"ORDER BY ended_at DESC, {self._order} DESC"
+        sql = f"SELECT body FROM results {where} {order}"  # noqa: S608 - fixed column names
         args: list[object] = [gate, gate, backend, backend]
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)
-        return self._load(self._db.execute(sql, args).fetchall())
+        return self._load(self._query(sql, args))
 
-    @guarded
+    @_guarded
+    def count(self) -> tuple[int, int]:
+        """(results, baselines)."""
+        ((results,),) = self._query("SELECT count(*) FROM results")
+        ((baselines,),) = self._query("SELECT count(*) FROM baselines")
+        return int(results), int(baselines)
+
     def latest(self, gate: str, backend: str) -> GateResult | None:
         found = self.results(gate=gate, backend=backend, limit=1)
         return found[0] if found else None
 
-    @guarded
+    @_guarded
     def get(self, result_id: str) -> GateResult | None:
-        rows = self._db.execute("SELECT body FROM results WHERE id = ?", (result_id,)).fetchall()
+        rows = self._query("SELECT body FROM results WHERE id = ?", (result_id,))
         if not rows:
             # A prefix, as git takes abbreviated commit ids, when it is unambiguous.
-            rows = self._db.execute(
-                "SELECT body FROM results WHERE id LIKE ? || '%' LIMIT 2", (result_id,)
-            ).fetchall()
+            rows = self._query(
+                "SELECT body FROM results WHERE id LIKE ? ESCAPE '\\' LIMIT 2",
+                (_like_prefix(result_id),),
+            )
             if len(rows) > 1:
                 raise InputError(f"result id {result_id!r} is ambiguous: give more characters")
         found = self._load(rows)
         return found[0] if found else None
 
-    @guarded
+    @_guarded
     def baselines(
         self,
         *,
@@ -138,18 +177,22 @@ class EvidenceStore:
         kind: BaselineKind | None = None,
         workload_hash: str | None = None,
     ) -> list[Baseline]:
-        rows = self._db.execute(
-            "SELECT body FROM baselines WHERE (? IS NULL OR backend = ?)"
-            " AND (? IS NULL OR kind = ?) AND (? IS NULL OR workload_hash = ?)"
-            " ORDER BY created_at DESC, rowid DESC",
+        where = (
+            "WHERE (CAST(? AS TEXT) IS NULL OR backend = ?)"
+            " AND (CAST(? AS TEXT) IS NULL OR kind = ?)"
+            " AND (CAST(? AS TEXT) IS NULL OR workload_hash = ?)"
+        )
+        order = f"ORDER BY created_at DESC, {self._order} DESC"
+        rows = self._query(
+            f"SELECT body FROM baselines {where} {order}",  # noqa: S608 - fixed column names
             (backend, backend, kind, kind, workload_hash, workload_hash),
-        ).fetchall()
+        )
         try:
             return [Baseline.model_validate_json(row[0]) for row in rows]
         except ValidationError as exc:
-            raise InputError(f"{self.path}: a stored baseline is corrupt: {exc}") from None
+            raise InputError(f"{self.where}: a stored baseline is corrupt: {exc}") from None
 
-    @guarded
+    @_guarded
     def merge(
         self, results: list[GateResult], baselines: list[Baseline], *, source: str
     ) -> tuple[int, int]:
@@ -159,25 +202,123 @@ class EvidenceStore:
         content is refused, since one of the two has been altered.
         """
         added = skipped = 0
-        with self._tx() as db:
+        with self._transaction() as db:
+            self._serialize_merges(db)
             for table, records in (("results", results), ("baselines", baselines)):
                 for rec in records:
-                    row = db.execute(
+                    row = self._run(
+                        db,
                         f"SELECT body FROM {table} WHERE id = ?",  # noqa: S608 - fixed names
                         (rec.id,),
-                    ).fetchone()
+                    )
                     body = rec.model_dump_json()
-                    if row is not None:
-                        if canonical(row[0]) != canonical(body):
+                    if row:
+                        if canonical(row[0][0]) != canonical(body):
                             raise InputError(
                                 f"{source}: {table[:-1]} {rec.id} differs from the one already "
                                 f"stored with that id; refusing the whole file"
                             )
                         skipped += 1
                         continue
-                    _insert(db, rec, source)
+                    self._insert(db, rec, source)
                     added += 1
         return added, skipped
+
+    @abc.abstractmethod
+    def _serialize_merges(self, db: Any) -> None:
+        """Two merges of the same records at once must not both insert them."""
+
+    def _insert(self, db: Any, rec: GateResult | Baseline, source: str | None) -> None:
+        if isinstance(rec, GateResult):
+            self._run(
+                db,
+                "INSERT INTO results (id, gate, backend, baseline, verdict, started_at, ended_at,"
+                " body, imported_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    rec.id,
+                    rec.gate,
+                    rec.backend,
+                    rec.baseline,
+                    rec.verdict,
+                    rec.started_at.isoformat(),
+                    rec.ended_at.isoformat(),
+                    rec.model_dump_json(),
+                    source,
+                ),
+            )
+        else:
+            self._run(
+                db,
+                "INSERT INTO baselines (id, backend, kind, workload_hash, created_at, body,"
+                " imported_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    rec.id,
+                    rec.backend,
+                    rec.kind,
+                    rec.workload_hash,
+                    rec.created_at.isoformat(),
+                    rec.model_dump_json(),
+                    source,
+                ),
+            )
+
+
+class SqliteStore(EvidenceStore):
+    """One file in the state directory, in WAL mode: readers never wait for the writer."""
+
+    errors = (sqlite3.Error, OSError)
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.where = str(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"{path.parent}: cannot create the state directory: {exc}") from None
+        try:
+            self._db = sqlite3.connect(path, timeout=30, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            if self.schema_version != SCHEMA_VERSION:
+                self._migrate(
+                    lambda db: int(db.execute("PRAGMA user_version").fetchone()[0]),
+                    # PRAGMA takes no parameters; the value is an int from our own list.
+                    lambda db: db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}"),
+                )
+        except (sqlite3.Error, OSError) as exc:
+            raise explain(path, exc) from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    def explain(self, exc: BaseException) -> KdctlError:
+        return explain(self.path, exc)
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _lock_schema(self, db: Any) -> None:
+        return None  # BEGIN IMMEDIATE holds SQLite's write lock already
+
+    def _serialize_merges(self, db: Any) -> None:
+        return None  # as here: one writer at a time
+
+    def _query(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        return list(self._db.execute(sql, args).fetchall())
+
+    def _run(self, db: Any, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        return list(db.execute(sql, args).fetchall())
 
 
 R = TypeVar("R", GateResult, Baseline)
@@ -188,37 +329,9 @@ def _scrubbed(rec: R) -> R:
     return type(rec).model_validate(scrub_data(rec.model_dump(mode="json")))
 
 
-def _insert(db: sqlite3.Connection, rec: GateResult | Baseline, source: str | None) -> None:
-    if isinstance(rec, GateResult):
-        db.execute(
-            "INSERT INTO results (id, gate, backend, baseline, verdict, started_at, ended_at,"
-            " body, imported_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                rec.id,
-                rec.gate,
-                rec.backend,
-                rec.baseline,
-                rec.verdict,
-                rec.started_at.isoformat(),
-                rec.ended_at.isoformat(),
-                rec.model_dump_json(),
-                source,
-            ),
-        )
-    else:
-        db.execute(
-            "INSERT INTO baselines (id, backend, kind, workload_hash, created_at, body,"
-            " imported_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (
-                rec.id,
-                rec.backend,
-                rec.kind,
-                rec.workload_hash,
-                rec.created_at.isoformat(),
-                rec.model_dump_json(),
-                source,
-            ),
-        )
+def _like_prefix(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
 
 
 def canonical(body: str) -> str:

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kdctl import __version__
 from kdctl._limits import check_size, load_json
-from kdctl.errors import InputError
-from kdctl.evidence.store import EvidenceStore
+from kdctl.errors import InfraError, InputError
+from kdctl.evidence.store import EvidenceStore, canonical
 from kdctl.records import Baseline, GateResult, content_hash, utcnow
 
 ENV_KEY = "KDCTL_EVIDENCE_KEY"
@@ -130,3 +130,56 @@ def import_evidence(store: EvidenceStore, path: Path, *, require_signed: bool = 
     doc = read_evidence_file(path, require_signed=require_signed)
     added, skipped = store.merge(doc.results, doc.baselines, source=str(path))
     return Imported(added=added, already_present=skipped, signed=doc.hmac_sha256 is not None)
+
+
+class Migrated(BaseModel):
+    source: str
+    target: str
+    results: int
+    baselines: int
+    added: int
+    already_present: int
+    # sha256 over every record's canonical content, the same on both sides.
+    digest: str
+
+
+def store_digest(store: EvidenceStore) -> tuple[int, int, str]:
+    """(results, baselines, digest): what a copy must reproduce exactly."""
+    results, baselines = store.results(), store.baselines()
+    bodies = sorted(
+        [("result", r.id, canonical(r.model_dump_json())) for r in results]
+        + [("baseline", b.id, canonical(b.model_dump_json())) for b in baselines]
+    )
+    return len(results), len(baselines), content_hash(bodies)
+
+
+def migrate(source: EvidenceStore, target: EvidenceStore) -> Migrated:
+    """Every result and baseline of `source` into `target`, in one transaction there, then
+    verified: the target holds the same records with the same content (it may hold more, from
+    elsewhere; then only the source's records are compared)."""
+    results, baselines = source.results(), source.baselines()
+    added, skipped = target.merge(results, baselines, source=f"migrate from {source.where}")
+    want = store_digest(source)
+    copied = {r.id for r in results} | {b.id for b in baselines}
+    got_results = [r for r in target.results() if r.id in copied]
+    got_baselines = [b for b in target.baselines() if b.id in copied]
+    bodies = sorted(
+        [("result", r.id, canonical(r.model_dump_json())) for r in got_results]
+        + [("baseline", b.id, canonical(b.model_dump_json())) for b in got_baselines]
+    )
+    got = (len(got_results), len(got_baselines), content_hash(bodies))
+    if got != want:
+        raise InfraError(
+            f"{target.where}: the copy does not verify: {got[0]} results and {got[1]} baselines "
+            f"(digest {got[2][:12]}) against {want[0]} and {want[1]} ({want[2][:12]}) in "
+            f"{source.where}"
+        )
+    return Migrated(
+        source=source.where,
+        target=target.where,
+        results=want[0],
+        baselines=want[1],
+        added=added,
+        already_present=skipped,
+        digest=want[2],
+    )

@@ -72,6 +72,9 @@ class LoadedInventory:
             raise InputError(self.unset_keys[backend])
         return resolve_api_key(self.spec.backends[backend], self.path.parent)
 
+    def evidence_password(self) -> str | None:
+        return evidence_password(self.spec, self.path.parent)
+
     def router_api_key(self) -> SecretStr | None:
         """The key the router's front door itself requires, where it requires one."""
         router = self.spec.router
@@ -130,8 +133,23 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
     )
 
 
+def evidence_password(spec: Inventory, base: Path) -> str | None:
+    """The shared evidence store's password, from the variable or the file the inventory names
+    (None leaves it to libpq: PGPASSWORD, PGPASSFILE)."""
+    settings = spec.evidence
+    if settings.password_env:
+        return os.environ.get(settings.password_env) or None
+    if settings.password_file:
+        try:
+            return local_path(settings.password_file, base).read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+    return None
+
+
 def _register_secrets(spec: Inventory, base: Path) -> None:
     """Every secret value this inventory leads kdctl to hold, so none is printed or kept."""
+    redact.register(evidence_password(spec, base))
     owners: list[BackendSpec | RouterSpec] = list(spec.backends.values())
     if spec.router is not None:
         owners.append(spec.router)
@@ -217,6 +235,9 @@ def _missing_files(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             (folder.joinpath("prompts") if kind == "prompts" else folder).joinpath(name).is_file()
         )
 
+    named = spec.evidence.password_file
+    if named is not None and not local_path(named, base).is_file():
+        yield ("evidence", "password_file"), f"{named} does not exist"
     if spec.roadmap is not None:
         found = local_path(spec.roadmap, base).is_file() or shipped("roadmap", spec.roadmap.name)
         if not found:

@@ -12,6 +12,7 @@ import shlex
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import (
@@ -21,6 +22,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    field_validator,
     model_validator,
 )
 
@@ -418,6 +420,32 @@ class EvidenceSettings(_Model):
     # Imports must carry an HMAC made with KDCTL_EVIDENCE_KEY: a bare digest proves only that
     # the file is intact, since anyone can edit a result and compute the digest again.
     require_signed: bool = False
+    # A store the team shares (postgresql://user@host:port/db; KDCTL_EVIDENCE_URL wins), else
+    # SQLite in the state directory. Its password comes from the environment or a file.
+    url: str | None = None
+    password_env: EnvVar | None = None
+    password_file: Path | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("postgresql", "postgres") or not parts.hostname:
+            raise ValueError("must be postgresql://USER@HOST[:PORT]/DATABASE")
+        if parts.password is not None:
+            # Said without echoing it: the message is printed, the password must not be.
+            raise ValueError(
+                "holds a password: put it in evidence.password_env or evidence.password_file"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_password(self) -> EvidenceSettings:
+        if self.password_env and self.password_file:
+            raise ValueError("set evidence.password_env or evidence.password_file, not both")
+        return self
 
 
 class Inventory(_Model):

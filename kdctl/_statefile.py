@@ -66,3 +66,19 @@ def guarded(
             raise explain(self.path, exc) from None
 
     return cast("Callable[Concatenate[Any, P], R]", wrapper)
+
+
+def explained(
+    method: Callable[Concatenate[Any, P], R],
+) -> Callable[Concatenate[Any, P], R]:
+    """A method of a store that knows its database's errors (`errors`) and how to say them
+    (`explain`): SQLite's file, PostgreSQL's server."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(self, *args, **kwargs)
+        except self.errors as exc:
+            raise self.explain(exc) from None
+
+    return cast("Callable[Concatenate[Any, P], R]", wrapper)

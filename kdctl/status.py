@@ -26,7 +26,7 @@ from kdctl.probes import (
 from kdctl.readiness import Answers, LatestVerdict, assess, latest_verdicts
 from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
 from kdctl.session import Identity, Session, using
-from kdctl.traffic import Journal
+from kdctl.traffic import open_journal
 from kdctl.transports import fan_out
 
 
@@ -353,7 +353,7 @@ def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> Traffic
         if routed.error:
             traffic.detail = f"router not read back ({routed.error})"
     if (inventory.state_dir / "traffic.sqlite").exists():
-        with Journal(inventory.state_dir) as journal:
+        with open_journal(inventory) as journal:
             open_one = journal.latest(state="running")
         if open_one is not None:
             traffic.cutover_in_progress = {

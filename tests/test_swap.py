@@ -141,7 +141,7 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
     """The old engine stops before the new one starts. A candidate failing its smoke gate
     (INT4, strict) is stopped and the old one restarted; a hub token the engine prints is
     masked wherever kdctl carries its log."""
-    from kdctl.traffic import Journal
+    from kdctl.traffic import SqliteJournal
 
     with swap_setup(need_nginx, models, tmp_path) as swap:
         inv = swap.inv
@@ -196,7 +196,7 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         assert 0 < outcome["downtime_s"] < 300
         assert promotion(inv)["downtime_s"] == outcome["downtime_s"]
         assert not (tmp_path / "baseline.pid").exists()
-        with Journal(tmp_path / "state") as journal:
+        with SqliteJournal(tmp_path / "state") as journal:
             steps = [(s.kind, s.phase) for s in journal.get(outcome["id"]).steps]  # type: ignore[union-attr]
         assert steps.index(("stop", "done")) < steps.index(("start", "started"))
         assert steps[0] == ("force", "done")

@@ -27,7 +27,7 @@ ROWS_PER_RUN = 12
 def test_swap_killed_after_each_journal_row_then_resumed_or_rolled_back(
     need_nginx: str, models: dict[str, Path], tmp_path: Path, report: Any
 ) -> None:
-    from kdctl.traffic import Journal
+    from kdctl.traffic import SqliteJournal
 
     with swap_setup(need_nginx, models, tmp_path) as swap, pytest.MonkeyPatch.context() as mp:
         mp.setenv("KDCTL_TEST_HUB_TOKEN", TOKEN)
@@ -41,7 +41,7 @@ def test_swap_killed_after_each_journal_row_then_resumed_or_rolled_back(
                     with sqlite3.connect(db) as conn:
                         before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
                 _kill_when(args, db, "SELECT count(*) FROM steps", before + k)
-                with Journal(tmp_path / "state") as journal:
+                with SqliteJournal(tmp_path / "state") as journal:
                     open_one = journal.latest(state="running")
                 assert open_one is not None, f"round {k}: the swap finished before the kill"
                 status = json.loads(kdctl("status", "-i", inv, "--json", "--timeout", "5").out)
@@ -61,7 +61,7 @@ def test_swap_killed_after_each_journal_row_then_resumed_or_rolled_back(
                 assert weights(swap.include) == {"baseline": 100}, k
                 assert httpx.get(swap.url("baseline") + "/health").status_code == 200, k
                 assert not (tmp_path / "candidate.pid").exists(), k
-                with Journal(tmp_path / "state") as journal:
+                with SqliteJournal(tmp_path / "state") as journal:
                     last = journal.get(open_one.id)
                 assert last is not None and last.state in ("succeeded", "rolled_back"), k
                 after = json.loads(kdctl("status", "-i", inv, "--json").out)["answers"]["serving"]

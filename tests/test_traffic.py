@@ -31,6 +31,7 @@ from tests.conftest import (
     write_inventory,
 )
 from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.postgres import Cluster
 from tests.support.sshd import free_port
 
 need_module("torch", "reference")
@@ -269,10 +270,10 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
 
 
 def test_second_cutover_is_refused_while_one_holds_the_lock(front: dict[str, Any]) -> None:
-    from kdctl.traffic import Journal
+    from kdctl.traffic import SqliteJournal
 
     inv = str(front["inv"])
-    with Journal(front["inv"].parent / "state") as journal, journal.locked():
+    with SqliteJournal(front["inv"].parent / "state") as journal, journal.locked():
         run = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", inv)
     assert run.code == 1, run.out + run.err
     assert "another cutover holds the traffic lock" in run.err
@@ -468,3 +469,49 @@ def _kill_when(args: list[str], db: Path, sql: str, want: int) -> None:
             pass  # the journal is still being created
         time.sleep(0.002)
     proc.wait(30)
+
+
+def test_the_journal_and_its_lock_in_the_shared_store(
+    front: dict[str, Any], postgres: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a PostgreSQL evidence store the journal lives there too, and the traffic lock is
+    the session's advisory lock: a second cutover is refused naming the holder, and a SIGKILLed
+    cutover's lock goes with its session, so the rollback that repairs it is not kept out."""
+    from kdctl.traffic import PostgresJournal
+
+    url = postgres.create_database()
+    monkeypatch.setenv("KDCTL_EVIDENCE_URL", url)
+    monkeypatch.setenv("PGPASSWORD", postgres.password)
+    inv = str(front["inv"])
+    canary = ["cutover", "--to", "candidate", "--force", "--yes", "--steps", "50,100"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kdctl", *canary, "--watch", "30", "-i", inv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while weights(front["include"]) != {"baseline": 50, "candidate": 50}:
+            assert proc.poll() is None and time.monotonic() < deadline, "the canary never began"
+            time.sleep(0.1)
+        second = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", inv)
+        assert second.code == 1, second.out + second.err
+        assert "another cutover holds the traffic lock" in second.err
+        assert f"pid {proc.pid}" in second.err
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while True:  # the server drops the lock once it sees the session gone
+        back = kdctl("rollback", "--yes", "-i", inv)
+        if back.code == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert back.code == 0, back.out + back.err
+    assert weights(front["include"]) == {"baseline": 100}
+    with PostgresJournal(url, password=postgres.password) as journal:
+        assert journal.latest(state="running") is None
+        latest = journal.latest()
+        assert latest is not None and latest.to_backend == "candidate"
+        assert any(s.kind == "set-weights" for s in latest.steps)
+    assert not (front["inv"].parent / "state" / "traffic.sqlite").exists()

@@ -42,7 +42,7 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
     rounds) leaves the router matching the journal's last word; no request fails."""
     import sqlite3
 
-    from kdctl.traffic import Journal
+    from kdctl.traffic import SqliteJournal
 
     inv = str(front["inv"])
     state = front["inv"].parent / "state"
@@ -85,7 +85,7 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
                     break
                 time.sleep(0.005)
             proc.wait(30)
-            with Journal(state) as journal:
+            with SqliteJournal(state) as journal:
                 open_one = journal.latest(state="running")
             assert open_one is not None, f"round {k}: the cutover finished before the kill"
             status = kdctl("status", "-i", inv, "--json", "--timeout", "5")
@@ -104,7 +104,7 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
                 want = {"baseline": 100}
             assert run.code == 0, (k, run.out, run.err)
             assert weights(front["include"]) == want, k
-            with Journal(state) as journal:
+            with SqliteJournal(state) as journal:
                 last = journal.get(open_one.id)
             assert last is not None and last.state == ("succeeded" if k % 2 else "rolled_back"), k
             if k % 2:
@@ -125,14 +125,14 @@ def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
     abandoned, not "in progress", and --resume has nothing to replay. A canary killed at 50/50,
     then a rollback killed inside its write: --resume finishes the rollback, the operator's
     last order, never the canary. A router changed by hand since: --resume refuses."""
-    from kdctl.traffic import Journal
+    from kdctl.traffic import SqliteJournal
 
     inv = str(front["inv"])
     db = front["inv"].parent / "state" / "traffic.sqlite"
     canary = ["cutover", "--to", "candidate", "--steps", "50,100", "--watch", "30"]
     canary += ["--force", "--yes", "-i", inv]
     _kill_when(canary, db, "SELECT count(*) FROM cutovers", 1)
-    with Journal(db.parent) as journal:
+    with SqliteJournal(db.parent) as journal:
         first = journal.latest()
     assert first is not None and first.state == "running"
     assert weights(front["include"]) == {"baseline": 100}
@@ -140,7 +140,7 @@ def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
         "cutover", "--to", "candidate", "--strategy", "blue-green", "--force", "--yes", "-i", inv
     )
     assert bg.code == 0, bg.out + bg.err
-    with Journal(db.parent) as journal:
+    with SqliteJournal(db.parent) as journal:
         abandoned = journal.get(first.id)
     assert abandoned is not None and abandoned.state == "abandoned"
     status = json.loads(kdctl("status", "-i", inv, "--json").out)

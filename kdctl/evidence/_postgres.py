@@ -41,27 +41,47 @@ def _psycopg() -> Any:
     return psycopg
 
 
+def connect(url: str, *, password: str | None = None, timeout_s: int = 10) -> Any:
+    """An autocommit connection to the shared store; InputError or InfraError naming it."""
+    psycopg = _psycopg()
+    redact.register(password, urlsplit(url).password)
+    try:
+        return psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=timeout_s,
+            **({"password": password} if password else {}),
+        )
+    except psycopg.Error as exc:
+        raise explain(shown_url(url), exc) from None
+
+
+def explain(where: str, exc: BaseException) -> KdctlError:
+    text = redact.scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+    if "password authentication failed" in text or "no password supplied" in text:
+        return InputError(
+            f"{where}: the evidence store refused the login ({text}); set "
+            "evidence.password_env or evidence.password_file, or PGPASSWORD / PGPASSFILE"
+        )
+    return InfraError(f"{where}: the evidence store failed: {text}")
+
+
+def placeholders(sql: str) -> str:
+    """kdctl's statements use `?`; psycopg takes `%s`, and a literal % doubled."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
 class PostgresStore(EvidenceStore):
     _order = "seq"
 
-    def __init__(self, url: str, *, password: str | None = None, connect_timeout_s: int = 10):
-        psycopg = _psycopg()
+    def __init__(self, url: str, *, password: str | None = None):
         self.url = url
         self.where = shown_url(url)
-        self.errors = (psycopg.Error,)
-        redact.register(password, urlsplit(url).password)
-        try:
-            self._db = psycopg.connect(
-                url,
-                autocommit=True,
-                connect_timeout=connect_timeout_s,
-                **({"password": password} if password else {}),
-            )
-        except psycopg.Error as exc:
-            raise self.explain(exc) from None
+        self.errors = (_psycopg().Error,)
+        self._db = connect(url, password=password)
         try:
             self._migrate(self._version_in, self._set_version)
-        except psycopg.Error as exc:
+        except self.errors as exc:
             self._db.close()
             raise self.explain(exc) from None
 
@@ -69,13 +89,7 @@ class PostgresStore(EvidenceStore):
         self._db.close()
 
     def explain(self, exc: BaseException) -> KdctlError:
-        text = redact.scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
-        if "password authentication failed" in text or "no password supplied" in text:
-            return InputError(
-                f"{self.where}: the evidence store refused the login ({text}); set "
-                "evidence.password_env or evidence.password_file, or PGPASSWORD / PGPASSFILE"
-            )
-        return InfraError(f"{self.where}: the evidence store failed: {text}")
+        return explain(self.where, exc)
 
     @property
     def schema_version(self) -> int:
@@ -111,10 +125,5 @@ class PostgresStore(EvidenceStore):
         return self._run(self._db, sql, args)
 
     def _run(self, db: Any, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        cur = db.execute(_placeholders(sql), list(args))
+        cur = db.execute(placeholders(sql), list(args))
         return list(cur.fetchall()) if cur.description is not None else []
-
-
-def _placeholders(sql: str) -> str:
-    """kdctl's statements use `?`; psycopg takes `%s`, and a literal % doubled."""
-    return sql.replace("%", "%%").replace("?", "%s")

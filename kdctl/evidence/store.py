@@ -10,41 +10,22 @@ transaction, so a reader never sees half a result and a killed writer leaves not
 from __future__ import annotations
 
 import abc
-import functools
 import json
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from kdctl._redact import scrub_data
-from kdctl._statefile import explain
+from kdctl._statefile import explain, explained
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
 from kdctl.records import Baseline, BaselineKind, GateResult
 
 DB_NAME = "evidence.sqlite"
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-def _guarded(
-    method: Callable[Concatenate[Any, P], T],
-) -> Callable[Concatenate[Any, P], T]:
-    """The store's own database errors as messages naming the store and what to do."""
-
-    @functools.wraps(method)
-    def wrapper(self: EvidenceStore, *args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return method(self, *args, **kwargs)
-        except self.errors as exc:
-            raise self.explain(exc) from None
-
-    return cast("Callable[Concatenate[Any, P], T]", wrapper)
 
 
 class EvidenceStore(abc.ABC):
@@ -110,12 +91,12 @@ class EvidenceStore(abc.ABC):
     def _dialect(self, version: int, ddl: str) -> str:
         return ddl
 
-    @_guarded
+    @explained
     def record(self, result: GateResult) -> None:
         with self._transaction() as db:
             self._insert(db, _scrubbed(result), None)
 
-    @_guarded
+    @explained
     def record_baseline(self, baseline: Baseline) -> None:
         with self._transaction() as db:
             self._insert(db, _scrubbed(baseline), None)
@@ -126,7 +107,7 @@ class EvidenceStore(abc.ABC):
         except ValidationError as exc:
             raise InputError(f"{self.where}: a stored result is corrupt: {exc}") from None
 
-    @_guarded
+    @explained
     def results(
         self, *, gate: str | None = None, backend: str | None = None, limit: int | None = None
     ) -> list[GateResult]:
@@ -144,7 +125,7 @@ class EvidenceStore(abc.ABC):
             args.append(limit)
         return self._load(self._query(sql, args))
 
-    @_guarded
+    @explained
     def count(self) -> tuple[int, int]:
         """(results, baselines)."""
         ((results,),) = self._query("SELECT count(*) FROM results")
@@ -155,7 +136,7 @@ class EvidenceStore(abc.ABC):
         found = self.results(gate=gate, backend=backend, limit=1)
         return found[0] if found else None
 
-    @_guarded
+    @explained
     def get(self, result_id: str) -> GateResult | None:
         rows = self._query("SELECT body FROM results WHERE id = ?", (result_id,))
         if not rows:
@@ -169,7 +150,7 @@ class EvidenceStore(abc.ABC):
         found = self._load(rows)
         return found[0] if found else None
 
-    @_guarded
+    @explained
     def baselines(
         self,
         *,
@@ -192,7 +173,7 @@ class EvidenceStore(abc.ABC):
         except ValidationError as exc:
             raise InputError(f"{self.where}: a stored baseline is corrupt: {exc}") from None
 
-    @_guarded
+    @explained
     def merge(
         self, results: list[GateResult], baselines: list[Baseline], *, source: str
     ) -> tuple[int, int]:

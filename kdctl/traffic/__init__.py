@@ -11,7 +11,14 @@ from kdctl.traffic._router import (
     RouterState,
     front_url,
 )
-from kdctl.traffic.journal import CutoverRecord, Journal, LockHeld
+from kdctl.traffic.journal import (
+    CutoverRecord,
+    Journal,
+    LockHeld,
+    PostgresJournal,
+    SqliteJournal,
+    open_journal,
+)
 from kdctl.traffic.routers import make_router
 from kdctl.traffic.sglang_router import router_argv
 
@@ -21,10 +28,13 @@ __all__ = [
     "CutoverRecord",
     "Journal",
     "LockHeld",
+    "PostgresJournal",
     "Router",
     "RouterError",
     "RouterState",
+    "SqliteJournal",
     "front_url",
     "make_router",
+    "open_journal",
     "router_argv",
 ]

@@ -1,9 +1,12 @@
-"""The cutover journal and lock: every step written before and after it is applied, in SQLite
-in the state directory, so an interrupted cutover can be resumed or undone; and an exclusive
-lock, so two kdctl processes never move traffic at once."""
+"""The cutover journal and lock: every step written before and after it is applied, so an
+interrupted cutover can be resumed or undone; and an exclusive lock, so two kdctl processes
+never move traffic at once. In SQLite in the state directory with a file lock, or, where the
+team shares a PostgreSQL evidence store, there, with an advisory lock held by the session:
+either is dropped when its holder dies, even by SIGKILL."""
 
 from __future__ import annotations
 
+import abc
 import fcntl
 import getpass
 import json
@@ -11,7 +14,7 @@ import os
 import socket
 import sqlite3
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -20,8 +23,10 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from kdctl._redact import scrub, scrub_data
-from kdctl._statefile import explain, guarded
+from kdctl._statefile import explain, explained
 from kdctl.errors import KdctlError
+from kdctl.evidence import explain_postgres, placeholders, shared_url, shown_url
+from kdctl.inventory import LoadedInventory
 from kdctl.records import utcnow
 
 # "abandoned": an interrupted cutover that a later cutover or rollback superseded; it is never
@@ -80,22 +85,33 @@ def holder() -> str:
     return f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"
 
 
-class Journal:
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / "traffic.sqlite"
-        self.lock_path = state_dir / "traffic.lock"
-        self._lock_fd: int | None = None
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
-        except (sqlite3.Error, OSError) as exc:
-            raise explain(self.path, exc) from None
+class Journal(abc.ABC):
+    """The journal's statements, over either database (`?` placeholders)."""
+
+    where: str
+    errors: tuple[type[BaseException], ...]
+    # A row's insertion order: SQLite's rowid, PostgreSQL's seq.
+    _order = "rowid"
+
+    @abc.abstractmethod
+    def _exec(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]: ...
+
+    @abc.abstractmethod
+    def explain(self, exc: BaseException) -> KdctlError: ...
+
+    @abc.abstractmethod
+    def acquire(self) -> None:
+        """The traffic lock, or LockHeld naming who holds it."""
+
+    @abc.abstractmethod
+    def release(self) -> None: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
 
     def close(self) -> None:
         self.release()
-        self._db.close()
+        self._close()
 
     def __enter__(self) -> Journal:
         return self
@@ -103,33 +119,11 @@ class Journal:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # The lock is an flock on a file: the kernel drops it when its holder dies, even by
-    # SIGKILL, so a crashed cutover never leaves traffic locked until someone deletes a file.
-    @guarded
-    def acquire(self) -> None:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another kdctl"
-            os.close(fd)
-            raise LockHeld(f"another cutover holds the traffic lock: {who}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{holder()} since {utcnow():%Y-%m-%d %H:%M:%SZ}\n".encode(), 0)
-        self._lock_fd = fd
-
     def check_free(self) -> None:
         """LockHeld, naming the holder, when another kdctl is moving traffic now: said before
         anything else, since what it is doing explains any state the router is in."""
         self.acquire()
         self.release()
-
-    def release(self) -> None:
-        if self._lock_fd is not None:
-            os.ftruncate(self._lock_fd, 0)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     @contextmanager
     def locked(self) -> Iterator[Journal]:
@@ -139,7 +133,7 @@ class Journal:
         finally:
             self.release()
 
-    @guarded
+    @explained
     def begin(
         self,
         from_backend: str,
@@ -151,7 +145,7 @@ class Journal:
     ) -> str:
         cid = uuid.uuid4().hex[:12]
         self.supersede(f"superseded by cutover {cid}")
-        self._db.execute(
+        self._exec(
             "INSERT INTO cutovers (id, from_backend, to_backend, strategy, plan, state, forced,"
             " started_at, holder) VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?)",
             (
@@ -167,7 +161,7 @@ class Journal:
         )
         return cid
 
-    @guarded
+    @explained
     def step(
         self,
         cid: str,
@@ -177,7 +171,7 @@ class Journal:
         phase: StepPhase,
         note: str | None = None,
     ) -> None:
-        self._db.execute(
+        self._exec(
             "INSERT INTO steps (cutover_id, idx, kind, detail, phase, at, note)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
@@ -191,37 +185,39 @@ class Journal:
             ),
         )
 
-    @guarded
+    @explained
     def supersede(self, reason: str, *, keep: str | None = None) -> None:
         """Every interrupted cutover but `keep` is over: a later order replaced it, so it is
         never resumed. Called under the lock, so none of them is still running."""
-        self._db.execute(
+        self._exec(
             "UPDATE cutovers SET state = 'abandoned', reason = ?, ended_at = ?"
-            " WHERE state = 'running' AND id IS NOT ?",
-            (reason, utcnow().isoformat(), keep),
+            " WHERE state = 'running' AND (CAST(? AS TEXT) IS NULL OR id <> ?)",
+            (reason, utcnow().isoformat(), keep, keep),
         )
 
-    @guarded
+    @explained
     def finish(self, cid: str, state: CutoverState, reason: str | None = None) -> None:
-        self._db.execute(
+        self._exec(
             "UPDATE cutovers SET state = ?, reason = ?, ended_at = ? WHERE id = ?",
             (state, scrub(reason) if reason else reason, utcnow().isoformat(), cid),
         )
 
-    @guarded
+    @explained
     def get(self, cid: str) -> CutoverRecord | None:
-        row = self._db.execute(
+        rows = self._exec(
             "SELECT id, from_backend, to_backend, strategy, plan, state, forced, reason,"
             " started_at, ended_at, holder FROM cutovers WHERE id = ?",
             (cid,),
-        ).fetchone()
-        if row is None:
+        )
+        if not rows:
             return None
+        row = rows[0]
+        columns = "idx, kind, detail, phase, at, note"
+        order = f"ORDER BY {self._order}"
         steps = [
             StepRecord(idx=r[0], kind=r[1], detail=json.loads(r[2]), phase=r[3], at=r[4], note=r[5])
-            for r in self._db.execute(
-                "SELECT idx, kind, detail, phase, at, note FROM steps WHERE cutover_id = ?"
-                " ORDER BY rowid",
+            for r in self._exec(
+                f"SELECT {columns} FROM steps WHERE cutover_id = ? {order}",  # noqa: S608
                 (cid,),
             )
         ]
@@ -240,11 +236,140 @@ class Journal:
             steps=steps,
         )
 
-    @guarded
+    @explained
     def latest(self, *, state: CutoverState | None = None) -> CutoverRecord | None:
-        row = self._db.execute(
-            "SELECT id FROM cutovers WHERE (? IS NULL OR state = ?) ORDER BY started_at DESC,"
-            " rowid DESC LIMIT 1",
+        order = f"ORDER BY started_at DESC, {self._order} DESC"
+        rows = self._exec(
+            f"SELECT id FROM cutovers WHERE (CAST(? AS TEXT) IS NULL OR state = ?) {order} LIMIT 1",  # noqa: S608
             (state, state),
-        ).fetchone()
-        return self.get(row[0]) if row else None
+        )
+        return self.get(rows[0][0]) if rows else None
+
+
+class SqliteJournal(Journal):
+    """`traffic.sqlite` in the state directory; the lock an flock on `traffic.lock`, which the
+    kernel drops when its holder dies, so a crashed cutover never leaves traffic locked until
+    someone deletes a file."""
+
+    errors = (sqlite3.Error, OSError)
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "traffic.sqlite"
+        self.where = str(self.path)
+        self.lock_path = state_dir / "traffic.lock"
+        self._lock_fd: int | None = None
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.Error, OSError) as exc:
+            raise explain(self.path, exc) from None
+
+    def explain(self, exc: BaseException) -> KdctlError:
+        return explain(self.path, exc)
+
+    def _exec(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        return list(self._db.execute(sql, args).fetchall())
+
+    def _close(self) -> None:
+        self._db.close()
+
+    @explained
+    def acquire(self) -> None:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another kdctl"
+            os.close(fd)
+            raise LockHeld(f"another cutover holds the traffic lock: {who}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{holder()} since {utcnow():%Y-%m-%d %H:%M:%SZ}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.ftruncate(self._lock_fd, 0)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+# pg_advisory_lock keys: the traffic lock (held by the session for a whole cutover), and the
+# journal's schema (held by a transaction while its tables are made).
+TRAFFIC_LOCK = 0x6B6463746C10
+_SCHEMA_LOCK = 0x6B6463746C11
+
+
+class PostgresJournal(Journal):
+    """The journal in the team's PostgreSQL store; the lock a session-level advisory lock, which
+    the server drops when the session ends, however kdctl ends."""
+
+    _order = "seq"
+
+    def __init__(self, url: str, *, password: str | None = None) -> None:
+        from kdctl.evidence import connect
+
+        self.where = shown_url(url)
+        self._db = connect(url, password=password)
+        self.errors = (_pg_error(),)
+        self._locked = False
+        try:
+            with self._db.transaction():
+                self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                for table in ("cutovers", "steps"):
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS seq BIGSERIAL")
+                self._db.execute("CREATE TABLE IF NOT EXISTS traffic_lock (holder TEXT NOT NULL)")
+        except self.errors as exc:
+            self._db.close()
+            raise self.explain(exc) from None
+
+    def explain(self, exc: BaseException) -> KdctlError:
+        return explain_postgres(self.where, exc)
+
+    def _exec(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        cur = self._db.execute(placeholders(sql), list(args))
+        return list(cur.fetchall()) if cur.description is not None else []
+
+    def _close(self) -> None:
+        self._db.close()
+
+    @explained
+    def acquire(self) -> None:
+        ((got,),) = self._exec("SELECT pg_try_advisory_lock(?)", (TRAFFIC_LOCK,))
+        if not got:
+            rows = self._exec("SELECT holder FROM traffic_lock")
+            who = rows[0][0] if rows else "another kdctl"
+            raise LockHeld(f"another cutover holds the traffic lock: {who}")
+        self._locked = True
+        with self._db.transaction():
+            self._exec("DELETE FROM traffic_lock")
+            self._exec(
+                "INSERT INTO traffic_lock (holder) VALUES (?)",
+                (f"{holder()} since {utcnow():%Y-%m-%d %H:%M:%SZ}",),
+            )
+
+    def release(self) -> None:
+        if self._locked and not self._db.closed:
+            self._exec("DELETE FROM traffic_lock")
+            self._exec("SELECT pg_advisory_unlock(?)", (TRAFFIC_LOCK,))
+        self._locked = False
+
+
+def _pg_error() -> type[BaseException]:
+    import psycopg
+
+    return psycopg.Error
+
+
+def open_journal(inv: LoadedInventory) -> Journal:
+    """Where the evidence goes, the journal goes: the team's PostgreSQL store, else SQLite in
+    the state directory."""
+    url = shared_url(inv)
+    if url:
+        return PostgresJournal(url, password=inv.evidence_password())
+    return SqliteJournal(inv.state_dir)

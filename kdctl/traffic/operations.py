@@ -14,7 +14,7 @@ from kdctl.readiness import assess
 from kdctl.records import GateResult, utcnow
 from kdctl.session import Session, using
 from kdctl.traffic._router import Router, RouterState
-from kdctl.traffic.journal import CutoverRecord, Journal
+from kdctl.traffic.journal import CutoverRecord, Journal, open_journal
 from kdctl.traffic.routers import make_router
 from kdctl.traffic.runner import (
     DEFAULT_STEPS,
@@ -62,7 +62,7 @@ def cutover(
     on_step: Callable[[int, Step], None] | None = None,
     session: Session | None = None,
 ) -> Plan | CutoverOutcome:
-    with using(inv, session) as s, Journal(inv.state_dir) as journal:
+    with using(inv, session) as s, open_journal(inv) as journal:
         journal.check_free()
         router = make_router(inv, s.pool)
         if resume:
@@ -203,7 +203,7 @@ def rollback(
     confirmed by read-back; for a swap, the old engine restarted first. The cutover's target
     gets a failed promotion, so no phase still counts it as serving."""
     started = utcnow()
-    with using(inv, session) as s, Journal(inv.state_dir) as journal:
+    with using(inv, session) as s, open_journal(inv) as journal:
         router = make_router(inv, s.pool)
         with journal.locked():
             record = journal.latest()

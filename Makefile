@@ -21,6 +21,7 @@ lint: bootstrap
 bench: bootstrap
 	@scripts/bootstrap-vllm
 	$(VENV)/bin/python benchmarks/status_fanout.py
+	$(VENV)/bin/python benchmarks/store_scale.py
 	$(VENV)/bin/python benchmarks/client_capacity.py
 	$(VENV)/bin/python benchmarks/bench_vs_vllm.py
 	$(VENV)/bin/python benchmarks/cutover_under_load.py

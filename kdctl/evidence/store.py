@@ -112,14 +112,9 @@ class EvidenceStore(abc.ABC):
         self, *, gate: str | None = None, backend: str | None = None, limit: int | None = None
     ) -> list[GateResult]:
         """Newest first."""
-        # Typed, so PostgreSQL knows what a NULL filter is.
-        where = (
-            "WHERE (CAST(? AS TEXT) IS NULL OR gate = ?)"
-            " AND (CAST(? AS TEXT) IS NULL OR backend = ?)"
-        )
+        where, args = _filters(gate=gate, backend=backend)
         order = f"ORDER BY ended_at DESC, {self._order} DESC"
         sql = f"SELECT body FROM results {where} {order}"  # noqa: S608 - fixed column names
-        args: list[object] = [gate, gate, backend, backend]
         if limit is not None:
             sql += " LIMIT ?"
             args.append(limit)
@@ -158,15 +153,11 @@ class EvidenceStore(abc.ABC):
         kind: BaselineKind | None = None,
         workload_hash: str | None = None,
     ) -> list[Baseline]:
-        where = (
-            "WHERE (CAST(? AS TEXT) IS NULL OR backend = ?)"
-            " AND (CAST(? AS TEXT) IS NULL OR kind = ?)"
-            " AND (CAST(? AS TEXT) IS NULL OR workload_hash = ?)"
-        )
+        where, args = _filters(backend=backend, kind=kind, workload_hash=workload_hash)
         order = f"ORDER BY created_at DESC, {self._order} DESC"
         rows = self._query(
             f"SELECT body FROM baselines {where} {order}",  # noqa: S608 - fixed column names
-            (backend, backend, kind, kind, workload_hash, workload_hash),
+            args,
         )
         try:
             return [Baseline.model_validate_json(row[0]) for row in rows]
@@ -308,6 +299,14 @@ R = TypeVar("R", GateResult, Baseline)
 def _scrubbed(rec: R) -> R:
     """What kdctl measured may quote an engine's log: no secret it knows is kept."""
     return type(rec).model_validate(scrub_data(rec.model_dump(mode="json")))
+
+
+def _filters(**equal: str | None) -> tuple[str, list[object]]:
+    """`WHERE a = ? AND b = ?` for the filters given: only those, so the index serves them."""
+    given = {column: value for column, value in equal.items() if value is not None}
+    if not given:
+        return "", []
+    return "WHERE " + " AND ".join(f"{column} = ?" for column in given), list(given.values())
 
 
 def _like_prefix(text: str) -> str:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from kdctl.errors import InputError
-from kdctl.evidence import SqliteStore, export_evidence, freshness, import_evidence
+from kdctl.evidence import (
+    EvidenceStore,
+    SqliteStore,
+    export_evidence,
+    freshness,
+    import_evidence,
+    open_url,
+)
 from kdctl.evidence._schema import MIGRATIONS, SCHEMA_VERSION
 from kdctl.records import Baseline, GateResult, Metric, Provenance, utcnow
 from tests.conftest import kdctl, write_inventory
@@ -130,15 +138,27 @@ def test_freshness_by_age_and_by_provenance() -> None:
     assert "tp_size 8 -> 4" in tp.reason and "gpus" in tp.reason
 
 
-def test_export_import_between_machines(tmp_path: Path) -> None:
-    box = SqliteStore(tmp_path / "box.sqlite")
+@pytest.fixture(params=["sqlite", "postgres"])
+def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], EvidenceStore]:
+    """Stores made on demand, of one kind per run of the test: SQLite files, or databases of
+    the tests' PostgreSQL cluster."""
+    if request.param == "sqlite":
+        return lambda name: SqliteStore(tmp_path / f"{name}.sqlite")
+    cluster = request.getfixturevalue("postgres")
+    return lambda name: open_url(cluster.create_database(), password=cluster.password)
+
+
+def test_export_import_between_machines(
+    tmp_path: Path, new_store: Callable[[str], EvidenceStore]
+) -> None:
+    box = new_store("box")
     for r in (result(), result(gate="exactness")):
         box.record(r)
     box.record_baseline(Baseline(backend="sglang", kind="throughput", workload_hash="w1"))
     doc = export_evidence(box)
     path = tmp_path / "evidence.json"
     path.write_text(doc.model_dump_json())
-    laptop = SqliteStore(tmp_path / "laptop.sqlite")
+    laptop = new_store("laptop")
     first = import_evidence(laptop, path)
     assert (first.added, first.already_present, first.signed) == (3, 0, False)
     again = import_evidence(laptop, path)
@@ -171,27 +191,29 @@ def _tamper(path: Path, edit: object) -> None:
     ],
 )
 def test_tampered_or_malformed_imports_are_refused(
-    tmp_path: Path, name: str, edit: object, needle: str
+    tmp_path: Path, new_store: Callable[[str], EvidenceStore], name: str, edit: object, needle: str
 ) -> None:
     box = SqliteStore(tmp_path / "box.sqlite")
     box.record(result(verdict="fail"))
     path = tmp_path / "e.json"
     path.write_text(export_evidence(box).model_dump_json())
     _tamper(path, edit)
-    target = SqliteStore(tmp_path / "t.sqlite")
+    target = new_store("t")
     with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         import_evidence(target, path)
     assert target.results() == []  # nothing half-applied
 
 
-def test_conflicting_id_refuses_the_whole_file(tmp_path: Path) -> None:
+def test_conflicting_id_refuses_the_whole_file(
+    tmp_path: Path, new_store: Callable[[str], EvidenceStore]
+) -> None:
     a = SqliteStore(tmp_path / "a.sqlite")
     first, second = result(), result(gate="exactness")
     a.record(first)
     a.record(second)
     path = tmp_path / "e.json"
     path.write_text(export_evidence(a).model_dump_json())
-    b = SqliteStore(tmp_path / "b.sqlite")
+    b = new_store("b")
     b.record(second.model_copy(update={"verdict": "fail"}))  # same id, other content
     with pytest.raises(InputError, match=f"result {second.id} differs"):
         import_evidence(b, path)

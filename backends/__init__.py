@@ -14,7 +14,7 @@ from kdctl.backends._types import (
     StreamChunk,
     TokenLogprob,
 )
-from kdctl.backends.health import HealthResult, probe_health, wait_http
+from kdctl.backends.health import HealthResult, bearer, probe_health, wait_http
 from kdctl.backends.openai import vllm_argv
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "StreamChunk",
     "TokenLogprob",
     "backend_class",
+    "bearer",
     "make_backend",
     "probe_health",
     "sse_data",

@@ -23,6 +23,9 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    # The chosen tokens' logprobs; asked for with top_logprobs too. Off by default: in a
+    # cumulative stream SGLang re-sends the whole list every event, which slows it down.
+    logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=20)
 
     @model_validator(mode="after")

@@ -85,12 +85,11 @@ class SGLangBackend(HttpBackend):
             sp["stop_token_ids"] = req.stop_token_ids
         if req.seed is not None:
             sp["sampling_seed"] = req.seed
-        body: dict[str, Any] = {
-            "sampling_params": sp,
-            "return_logprob": True,
-            "top_logprobs_num": req.top_logprobs,
-            "stream": stream,
-        }
+        body: dict[str, Any] = {"sampling_params": sp, "stream": stream}
+        # Only where a gate reads them: they cost SGLang a quadratic re-send in a stream.
+        if req.logprobs or req.top_logprobs:
+            body["return_logprob"] = True
+            body["top_logprobs_num"] = req.top_logprobs
         if req.input_ids is not None:
             body["input_ids"] = req.input_ids
         else:

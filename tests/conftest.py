@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import os
+
+# Every engine the tests start (reference servers, the sandbox's, vLLM) shares two cores with the
+# others and with kdctl: one thread each, or their OpenMP pools spin against one another and a
+# throughput measured during someone else's burst reads a tenth of itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import shutil
 import subprocess
 import sys
@@ -242,8 +247,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _FINDINGS.extend(str(v) for k, v in report.user_properties if k == "finding")
 
 
-# The longest files first: with a file per worker at a time, one started last would run alone
-# at the end (measured with three workers: each of these two to three and a half minutes).
+# The longest files first (pyproject's --no-loadscope-reorder keeps this order; xdist would put
+# the files with most tests first): with a file per worker at a time, one started last would run
+# alone at the end (measured with three workers: each of these two to three and a half minutes).
 _LONGEST_FIRST = (
     "test_swap_kills.py",
     "test_sandbox.py",

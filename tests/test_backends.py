@@ -25,7 +25,7 @@ from kdctl.backends.errors import (
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 from tests.conftest import Served, need_module
-from tests.support.faulty import Endless, serve
+from tests.support.faulty import Bursty, Endless, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
@@ -408,3 +408,24 @@ def test_a_stream_that_never_ends_is_stopped_at_the_deadline(report: Any) -> Non
         assert took < 4
     finally:
         server.shutdown()
+
+
+def test_an_event_of_several_tokens_spreads_its_gap_over_them() -> None:
+    """Three tokens to an event, 60 ms apart: nine inter-token gaps of about 20 ms (the first
+    event's tokens are the TTFT), as SGLang's bench_serving counts them, not three of 60."""
+    from kdctl.backends import HttpBackend
+    from kdctl.loadgen import LoadPlan, run_load
+
+    server = serve(Bursty)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        be = make_backend("bursty", BackendSpec(kind="sglang", host="local", url=url))
+        assert isinstance(be, HttpBackend)
+        req = GenerateRequest(input_ids=[1, 2, 3, 4], max_new_tokens=12, ignore_eos=True)
+        m = run_load(be, [req], LoadPlan(max_concurrency=1, timeout_s=10))
+        be.close()
+    finally:
+        server.shutdown()
+    assert (m.completed, m.failed, m.total_output_tokens) == (1, 0, 12)
+    assert m.itl_ms.p50 is not None and 12 < m.itl_ms.p50 < 40, m.itl_ms
+    assert m.tpot_ms.mean is not None and 12 < m.tpot_ms.mean < 40

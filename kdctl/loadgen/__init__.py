@@ -16,6 +16,7 @@ from kdctl.loadgen._stats import (
     Stats,
     histogram_quantile,
     percentile,
+    resolution,
 )
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "client_class",
     "histogram_quantile",
     "percentile",
+    "resolution",
     "run_load",
 ]

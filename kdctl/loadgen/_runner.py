@@ -86,10 +86,25 @@ async def _one(
                     if chunk is None:
                         continue
                     if chunk.output_ids or chunk.text:
+                        # Tokens this event brought: its ids, else what the server's count
+                        # moved by (an engine that streams text only), else one.
+                        n = len(chunk.output_ids) or (
+                            chunk.completion_tokens - (server_out or 0)
+                            if chunk.completion_tokens is not None
+                            else 0
+                        )
+                        n = max(n, 1)
                         if rec.ttft_s is None:
                             rec.ttft_s = at - start
-                        else:
+                        elif n == 1:
                             gap(at - last)
+                        else:
+                            # Several tokens in one event (speculative decoding accepting a
+                            # draft, stream_interval > 1): the gap is spread over them, as
+                            # SGLang's bench_serving does, not counted as one long token.
+                            spread = (at - last) / n
+                            for _ in range(n):
+                                gap(spread)
                         last = at
                         streamed += len(chunk.output_ids)
                     if chunk.completion_tokens is not None:

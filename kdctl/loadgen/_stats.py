@@ -89,6 +89,12 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return lower
 
 
+def resolution(buckets: dict[float, float]) -> float | None:
+    """The first finite bucket's upper bound: below it, a histogram cannot tell values apart."""
+    finite = [le for le in buckets if le > 0 and not math.isinf(le)]
+    return min(finite) if finite else None
+
+
 class SLO(BaseModel):
     """Per-request service levels: a request is good only if it meets every one given."""
 

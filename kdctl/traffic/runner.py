@@ -30,7 +30,7 @@ from kdctl.checks.promotion import promotion_result
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import BackendSpec, LoadedInventory
-from kdctl.loadgen import BenchMetrics, LoadPlan, histogram_quantile, run_load
+from kdctl.loadgen import BenchMetrics, LoadPlan, histogram_quantile, resolution, run_load
 from kdctl.recording import run_gates
 from kdctl.records import GateResult, Verdict, utcnow
 from kdctl.serving import front_api_key
@@ -331,7 +331,16 @@ class Runner:
                 engine_ms = seconds_at * 1000
                 watch[f"engine_ttft_{pct}_ms"] = round(engine_ms, 2)
                 slo = settings.slo_ttft_ms
-                if slo is not None and engine_ms > slo:
+                finest = resolution(window.ttft_buckets)
+                if slo is not None and finest is not None and slo / 1000 < finest:
+                    # SGLang's TTFT buckets start at 0.1 s: every request under it counts as
+                    # 100 ms there, so a tighter SLO would breach on every window. Left to the
+                    # probes, which time each request, and said.
+                    watch["engine_ttft_note"] = (
+                        f"{plan.to_backend}'s TTFT histogram cannot judge an SLO of {slo:g} ms: "
+                        f"its first bucket ends at {finest * 1000:g} ms; judged by the probes"
+                    )
+                elif slo is not None and engine_ms > slo:
                     self.watches.append(watch)
                     raise AnalysisFailed(
                         f"SLO breach during the canary: {plan.to_backend}'s own TTFT {pct} "

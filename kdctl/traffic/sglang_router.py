@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 import httpx
 
+from kdctl.backends import bearer
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
 
 
@@ -44,14 +45,32 @@ class SGLangRouter(Router):
     wait_s: ClassVar[float] = 60.0
 
     def _client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.front_url, timeout=10)
+        # The router's own key, where it requires one, on its worker API as on its front.
+        return httpx.Client(
+            base_url=self.front_url, timeout=10, headers=bearer(self.inv.router_api_key())
+        )
+
+    def _call(self, client: httpx.Client, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One request to the worker API; a timeout or a refused connection is a RouterError
+        naming it, never an untyped httpx error."""
+        try:
+            return client.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise RouterError(
+                f"sglang-router at {self.front_url}: {method} {path}: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _workers(self, client: httpx.Client) -> list[dict[str, Any]]:
+        r = self._call(client, "GET", "/workers")
+        if r.status_code in (401, 403):
+            raise RouterError(
+                f"sglang-router at {self.front_url}: GET /workers: HTTP {r.status_code}: it "
+                "wants an API key (router.api_key_env or router.api_key_file)"
+            )
         try:
-            r = client.get("/workers")
             r.raise_for_status()
             return list(r.json().get("workers", []))
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
             raise RouterError(f"sglang-router at {self.front_url}: GET /workers: {exc}") from None
 
     def _names(self) -> dict[str, str]:
@@ -84,7 +103,7 @@ class SGLangRouter(Router):
         with self._client() as client:
             present = {w["url"].rstrip("/"): w for w in self._workers(client)}
             if url not in present:
-                r = client.post("/workers", json={"url": url})
+                r = self._call(client, "POST", "/workers", json={"url": url})
                 if r.status_code not in (200, 201, 202):
                     raise RouterError(
                         f"sglang-router refused worker {url}: HTTP {r.status_code} {r.text[:200]}"
@@ -99,7 +118,7 @@ class SGLangRouter(Router):
                 if old_url == url:
                     continue
                 ident = w.get("id") or quote(old_url, safe="")
-                r = client.delete(f"/workers/{ident}")
+                r = self._call(client, "DELETE", f"/workers/{ident}")
                 if r.status_code not in (200, 202, 204):
                     raise RouterError(
                         f"sglang-router refused to remove {old_url}: HTTP {r.status_code}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import socketserver
 import threading
 import time
@@ -52,6 +53,31 @@ class Endless(Quiet):
             return
 
     do_GET = do_POST = _answer
+
+
+class Bursty(Quiet):
+    """SGLang's stream shape with three tokens to an event, 60 ms apart: what a speculative
+    decoder that accepts its drafts, or `--stream-interval 3`, sends. 12 tokens in 4 events."""
+
+    def _answer(self) -> None:
+        self.drain()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        ids: list[int] = []
+        for event in range(4):
+            ids += [event * 3 + 1, event * 3 + 2, event * 3 + 3]
+            meta = {"prompt_tokens": 4, "completion_tokens": len(ids)}
+            if event == 3:
+                meta["finish_reason"] = {"type": "length", "length": 12}
+            body = {"text": "x" * len(ids), "output_ids": ids, "meta_info": meta}
+            self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.06)
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    do_POST = _answer
 
 
 def serve(handler: type[Quiet]) -> socketserver.ThreadingTCPServer:

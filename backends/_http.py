@@ -71,16 +71,18 @@ class HttpSession:
             return
         url = self.url(path)
         try:
-            body = _prefix(resp, 300)
+            # Enough to parse a whole error object; the message shown is cut after.
+            body = _prefix(resp, 4096)
         except httpx.HTTPError:
             body = ""
         if resp.status_code in (401, 403):
             raise BackendAuthError(
                 self.backend, url, f"authentication failed (HTTP {resp.status_code})"
             )
+        said = error_message(body)[:300]
         if resp.status_code == 503:
-            raise BackendNotReady(self.backend, url, f"not ready yet (HTTP 503) {body}".strip())
-        raise BackendHTTPError(self.backend, url, resp.status_code, body)
+            raise BackendNotReady(self.backend, url, f"not ready yet (HTTP 503) {said}".strip())
+        raise BackendHTTPError(self.backend, url, resp.status_code, said)
 
     def deadline(self) -> float:
         """When an exchange begun now must have ended: the session's timeout bounds the whole
@@ -216,6 +218,35 @@ def sse_data(backend: str, url: str, line: str) -> Any:
         msg = err.get("message") if isinstance(err, dict) else err
         raise BackendHTTPError(backend, url, 500, f"error in stream: {msg}")
     return data
+
+
+def error_message(body: str) -> str:
+    """What an engine's error body says, in each shape SGLang has used (docs/sglang-
+    compatibility.md): {"error": {"message": ...}} (/generate), {"error": "..."} (0.5.23's
+    request schema), the flat {"object": "error", "message": ...} (0.4.10 on: validation, the
+    OpenAI routes), FastAPI's {"detail": ...} (0.4.3 to 0.4.6); else the body as it came."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(data, dict):
+        return body
+    err = data.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return str(err["message"])
+    if isinstance(err, str):
+        return err
+    if data.get("object") == "error" and isinstance(data.get("message"), str):
+        return str(data["message"])
+    detail = data.get("detail")
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list) and detail:
+        first = detail[0]
+        if isinstance(first, dict) and "msg" in first:
+            where = ".".join(str(p) for p in first.get("loc", []))
+            return f"{where}: {first['msg']}" if where else str(first["msg"])
+    return body
 
 
 def _is_error(data: Any) -> bool:

@@ -32,13 +32,17 @@ def probe_health(
     url: str,
     *,
     api_key: SecretStr | None = None,
-    timeout: float = 5.0,
+    timeout: float = 25.0,
     path: str = "/health",
 ) -> HealthResult:
-    """GET `{url}/health`: 200 is up; 503 is starting (SGLang answers it while loading).
+    """GET `{url}/health`: 200 is up; 503 is starting, draining or unhealthy.
 
-    Down means nothing listens; unknown means something answered that is not an engine's
-    health (auth refused, another status, a timeout), which a person must look at.
+    SGLang's /health is a plain 200 in 0.4.3 to 0.4.6; from 0.4.10 it generates a token, which
+    takes at least a second and up to its 20 s SGLANG_HEALTH_CHECK_TIMEOUT, and answers 503
+    until its warm-up ends (docs/sglang-compatibility.md): hence the 25 s default. It listens
+    only once its weights are loaded, so down (nothing listens) is also what a loading engine
+    looks like; status tells them apart by the engine's service. Unknown means something
+    answered that is not an engine's health (auth refused, another status, a timeout).
     """
     headers = bearer(api_key)
     started = time.monotonic()

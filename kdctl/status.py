@@ -229,7 +229,7 @@ def _collect(
                 base.detail = "no URL: not a served engine"
                 return base
             api_key = inventory.api_key(name)
-            health = probe_health(client, spec.url, api_key=api_key, timeout=min(deadline_s, 10.0))
+            health = probe_health(client, spec.url, api_key=api_key, timeout=min(deadline_s, 25.0))
             healths[name] = health
             status = base.model_copy(
                 update=health.model_dump(exclude={"status_code"})
@@ -298,6 +298,12 @@ def _collect(
             status = _declared(name, backend_spec)
             status.detail = f"no answer within {deadline_s:g}s" if out.timed_out else str(out.error)
         status.service = services.get(name)
+        svc = status.service
+        if status.state == "down" and svc is not None and svc.state == "running":
+            # SGLang listens only once its weights are loaded: a refused connection from an
+            # engine whose process runs is an engine starting, not one that is down.
+            status.state = "starting"
+            status.detail = f"nothing listens yet, but its {svc.kind} service runs (loading?)"
         backends.append(status)
 
     serving = probe_serving(

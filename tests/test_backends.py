@@ -24,7 +24,7 @@ from kdctl.backends.errors import (
 )
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
-from tests.conftest import Served, need_module
+from tests.conftest import FIXTURES, Served, need_module
 from tests.support.faulty import Bursty, Endless, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
@@ -429,3 +429,15 @@ def test_an_event_of_several_tokens_spreads_its_gap_over_them() -> None:
     assert (m.completed, m.failed, m.total_output_tokens) == (1, 0, 12)
     assert m.itl_ms.p50 is not None and 12 < m.itl_ms.p50 < 40, m.itl_ms
     assert m.tpot_ms.mean is not None and 12 < m.tpot_ms.mean < 40
+
+
+def test_every_sglang_error_body_shape_gives_its_message() -> None:
+    """The error bodies SGLang's source shows across versions (tests/fixtures/sglang), each
+    read down to its message, never shown as raw JSON."""
+    from kdctl.backends._http import error_message
+
+    shapes = json.loads((FIXTURES / "sglang" / "error-bodies.json").read_text())
+    assert len(shapes) == 5
+    for shape in shapes:
+        assert error_message(json.dumps(shape["body"])) == shape["message"], shape["versions"]
+    assert error_message("<html>502</html>") == "<html>502</html>"

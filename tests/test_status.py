@@ -282,3 +282,41 @@ def test_one_ssh_connection_per_host_per_command(
     assert len(json.loads(run.out)["hosts"]) == 16
     report(f"kdctl status over 16 SSH hosts opened {opened} SSH connections")
     assert opened == 16
+
+
+def test_an_engine_whose_process_runs_but_does_not_listen_yet_is_starting(
+    tmp_path: Path,
+) -> None:
+    """SGLang listens only once its weights are loaded: while its process runs and its port
+    refuses, status says starting, not down; once the process is gone, down."""
+    pidfile, log = tmp_path / "engine.pid", tmp_path / "engine.log"
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "engine": {
+                    "kind": "sglang",
+                    "host": "local",
+                    "url": f"http://127.0.0.1:{free_port()}",
+                    "service": {
+                        "command": ["sleep", "60"],
+                        "pidfile": str(pidfile),
+                        "log": str(log),
+                    },
+                }
+            },
+            "state_dir": "state",
+        },
+    )
+    loading = subprocess.Popen(["sleep", "60"])
+    pidfile.write_text(f"{loading.pid}\n")
+    try:
+        (engine,) = json.loads(kdctl("status", "-i", str(inv), "--json").out)["backends"]
+        assert engine["state"] == "starting", engine
+        assert "nothing listens yet, but its command service runs" in engine["detail"]
+    finally:
+        loading.kill()
+        loading.wait()
+    (engine,) = json.loads(kdctl("status", "-i", str(inv), "--json").out)["backends"]
+    assert engine["state"] == "down", engine

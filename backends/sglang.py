@@ -16,7 +16,7 @@ from kdctl.backends._types import (
     TokenLogprob,
     count,
 )
-from kdctl.backends.errors import BackendHTTPError, BackendProtocolError
+from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
 from kdctl.backends.health import HealthResult
 from kdctl.backends.openai import OpenAIBackend
 
@@ -55,11 +55,23 @@ class SGLangBackend(HttpBackend):
         server = self._info("/server_info", "/get_server_info")
         model = self._info("/model_info", "/get_model_info")
         try:
-            return self._engine_info(server, model)
+            info = self._engine_info(server, model)
+            if info.context_length is None:
+                # Null there unless --context-length was given; /v1/models says what runs.
+                info.context_length = self._served_context_length()
+            return info
         except ValidationError as exc:
             raise BackendProtocolError(
                 self.name, self.http.url("/server_info"), f"unexpected server info: {exc}"
             ) from None
+
+    def _served_context_length(self) -> int | None:
+        try:
+            cards = self.http.json("GET", "/v1/models").get("data") or []
+            value = cards[0].get("max_model_len") if cards else None
+        except (BackendError, AttributeError, TypeError):
+            return None
+        return int(value) if isinstance(value, int) else None
 
     def _engine_info(self, server: dict[str, Any], model: dict[str, Any]) -> EngineInfo:
         return EngineInfo(

@@ -32,6 +32,11 @@ class Probe:
     body: Any = None
     # Sent as raw bytes instead of JSON, for the malformed-body probe.
     raw: bytes | None = None
+    # Asked when `path` answers 404: SGLang before 0.5.6 serves only the /get_* names.
+    fallback: str | None = None
+    # The only top-level keys compared: /server_info holds every server argument, hundreds
+    # that change by release; kdctl reads these.
+    keys: tuple[str, ...] | None = None
 
 
 _GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
@@ -46,8 +51,14 @@ PROBES = (
     Probe("health", "GET", "/health"),
     Probe("health_generate", "GET", "/health_generate"),
     Probe("models", "GET", "/v1/models"),
-    Probe("model_info", "GET", "/model_info"),
-    Probe("server_info", "GET", "/server_info"),
+    Probe("model_info", "GET", "/model_info", fallback="/get_model_info"),
+    Probe(
+        "server_info",
+        "GET",
+        "/server_info",
+        fallback="/get_server_info",
+        keys=("model_path", "served_model_name", "version", "tp_size", "context_length"),
+    ),
     Probe("generate", "POST", "/generate", _GEN),
     Probe("generate_stream", "POST", "/generate", {**_GEN, "stream": True}),
     Probe("completions", "POST", "/v1/completions", _CMPL),
@@ -64,7 +75,8 @@ PROBES = (
         "/v1/chat/completions",
         {**_CHAT, "stream": True, "stream_options": {"include_usage": True}},
     ),
-    Probe("error_unknown_model", "POST", "/v1/completions", {**_CMPL, "model": "no-such-model"}),
+    # SGLang ignores a model it does not serve and answers (docs/sglang-compatibility.md).
+    Probe("unknown_model", "POST", "/v1/completions", {**_CMPL, "model": "no-such-model"}),
     Probe("error_not_json", "POST", "/generate", raw=b"{not json"),
     Probe("error_unknown_route", "GET", "/no/such/route"),
 )
@@ -134,6 +146,17 @@ def _fill(body: Any, model: str) -> Any:
 def answer(client: httpx.Client, be: HttpBackend, probe: Probe, model: str) -> dict[str, Any]:
     """One probe's answer, reduced to what conformance compares. A refused connection is an
     answer to compare; an answer that does not end by the backend's deadline ends the gate."""
+    got = _answer(client, be, probe, probe.path, model)
+    if got.get("status") == 404 and probe.fallback is not None:
+        got = _answer(client, be, probe, probe.fallback, model) | {"path": probe.fallback}
+    if probe.keys is not None and isinstance(got.get("body"), dict):
+        got["body"] = {k: v for k, v in got["body"].items() if k in probe.keys}
+    return got
+
+
+def _answer(
+    client: httpx.Client, be: HttpBackend, probe: Probe, path: str, model: str
+) -> dict[str, Any]:
     http = be.http
     headers = {**bearer(be.api_key)}
     kwargs: dict[str, Any] = {"headers": headers}
@@ -144,13 +167,13 @@ def answer(client: httpx.Client, be: HttpBackend, probe: Probe, model: str) -> d
         kwargs["json"] = _fill(probe.body, model)
     deadline = http.deadline()
     try:
-        with client.stream(probe.method, http.url(probe.path), **kwargs) as resp:
+        with client.stream(probe.method, http.url(path), **kwargs) as resp:
             ctype = resp.headers.get("content-type", "").split(";")[0].strip()
             out: dict[str, Any] = {"status": resp.status_code, "content_type": ctype}
             if ctype == "text/event-stream":
                 events: Any = {}
                 done = False
-                for line in http.lines(resp, probe.path, deadline):
+                for line in http.lines(resp, path, deadline):
                     if not line.startswith("data:"):
                         continue
                     payload = line[5:].strip()
@@ -163,7 +186,7 @@ def answer(client: httpx.Client, be: HttpBackend, probe: Probe, model: str) -> d
                         out["bad_event"] = payload[:80]
                 out.update(event=events, ends_with_done=done)
             else:
-                content = http.read_body(resp, probe.path, deadline)
+                content = http.read_body(resp, path, deadline)
                 try:
                     out["body"] = shape(json.loads(content)) if content else None
                 except (json.JSONDecodeError, UnicodeDecodeError):
@@ -171,7 +194,7 @@ def answer(client: httpx.Client, be: HttpBackend, probe: Probe, model: str) -> d
             return out
     except httpx.TimeoutException:
         raise BackendTimeout(
-            be.name, http.url(probe.path), f"no answer within {http.timeout:g}s"
+            be.name, http.url(path), f"no answer within {http.timeout:g}s"
         ) from None
     except httpx.HTTPError as exc:
         return {"status": None, "error": f"{type(exc).__name__}: {exc}"}

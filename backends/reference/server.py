@@ -281,9 +281,7 @@ def create_app(
         got = engine_or_503()
         if isinstance(got, JSONResponse):
             return got
-        model = data.get("model")
-        if model not in (None, state.served_name):
-            return error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        # As SGLang does, the request's model is not checked: one it does not serve is answered.
         try:
             if chat:
                 messages = data.get("messages")

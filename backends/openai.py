@@ -110,8 +110,17 @@ class OpenAIBackend(HttpBackend):
         out = []
         for i, (tok, value, top) in enumerate(zip(tokens, values, tops, strict=False)):
             token_id = int(ids[i]) if ids and i < len(ids) else _token_id(tok)
+            if token_id is None:
+                # SGLang's OpenAI routes key logprobs by token text and have no
+                # return_tokens_as_token_ids (docs/sglang-compatibility.md).
+                raise TextKeyedLogprobs(tok)
             ranked = sorted(
-                ((_token_id(t), float(v)) for t, v in (top or {}).items()), key=lambda p: -p[1]
+                (
+                    (tid, float(v))
+                    for t, v in (top or {}).items()
+                    if (tid := _token_id(t)) is not None
+                ),
+                key=lambda p: -p[1],
             )
             out.append(
                 TokenLogprob(token_id=token_id, logprob=float(value), top=ranked[:k] if k else [])
@@ -124,7 +133,15 @@ class OpenAIBackend(HttpBackend):
         try:
             choice = data["choices"][0]
             usage = data.get("usage") or {}
-            logprobs = self._logprobs(choice, req.top_logprobs)
+            try:
+                logprobs = self._logprobs(choice, req.top_logprobs)
+            except TextKeyedLogprobs as exc:
+                raise BackendProtocolError(
+                    self.name,
+                    url,
+                    f"its logprobs name tokens by text ({exc.token!r}), not by id (SGLang's "
+                    "OpenAI routes do): ids cannot be compared; use the sglang kind",
+                ) from None
             ids = [int(i) for i in choice.get("token_ids") or [t.token_id for t in logprobs]]
             reason = choice.get("finish_reason") or "length"
             return GenerateResult(
@@ -158,7 +175,10 @@ class OpenAIBackend(HttpBackend):
         choice = choices[0]
         ids = choice.get("token_ids")
         if ids is None:
-            ids = [t.token_id for t in self._logprobs(choice, 0)]
+            try:
+                ids = [t.token_id for t in self._logprobs(choice, 0)]
+            except TextKeyedLogprobs:
+                ids = []  # counted from the server's usage at the end
         if not all(type(i) is int for i in ids):
             raise ValueError(f"token_ids are not integers: {ids!r}")
         reason = choice.get("finish_reason")
@@ -204,6 +224,12 @@ class OpenAIBackend(HttpBackend):
             completion_tokens=int(usage.get("completion_tokens") or 0),
             first_token_at=first,
         )
+
+
+class TextKeyedLogprobs(ValueError):
+    def __init__(self, token: str) -> None:
+        super().__init__(token)
+        self.token = token
 
 
 def _token_id(token: str) -> int | None:

@@ -25,7 +25,7 @@ from kdctl.backends.errors import (
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 from tests.conftest import FIXTURES, Served, need_module
-from tests.support.faulty import Bursty, Endless, serve
+from tests.support.faulty import Bursty, Endless, recorded, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
@@ -441,3 +441,20 @@ def test_every_sglang_error_body_shape_gives_its_message() -> None:
     for shape in shapes:
         assert error_message(json.dumps(shape["body"])) == shape["message"], shape["versions"]
     assert error_message("<html>502</html>") == "<html>502</html>"
+
+
+def test_the_openai_kind_on_text_keyed_logprobs_says_so() -> None:
+    """SGLang's OpenAI routes name logprob tokens by text (recorded shape): the openai kind
+    cannot compare ids from them, and says which kind to use instead of a bare parse error."""
+    body = json.loads((FIXTURES / "sglang" / "completions-text-logprobs.json").read_text())
+    server = serve(recorded(body))
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        spec = BackendSpec(kind="openai", host="local", url=url)
+        req = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=2, top_logprobs=2)
+        with make_backend("sglang-v1", spec) as be, pytest.raises(BackendProtocolError) as got:
+            be.generate(req)
+        assert "name tokens by text (' the')" in str(got.value)
+        assert "use the sglang kind" in str(got.value)
+    finally:
+        server.shutdown()

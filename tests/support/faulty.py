@@ -80,6 +80,29 @@ class Bursty(Quiet):
     do_POST = _answer
 
 
+def recorded(body: dict[str, Any], models: tuple[str, ...] = ("tiny",)) -> type[Quiet]:
+    """A handler answering every POST with one recorded JSON body, as an engine's source shows
+    it answers (tests/fixtures/sglang), and GET /v1/models with `models`."""
+
+    class Recorded(Quiet):
+        def _json(self, value: Any) -> None:
+            data = json.dumps(value).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            self.drain()
+            self._json(body)
+
+        def do_GET(self) -> None:
+            self._json({"object": "list", "data": [{"id": m, "object": "model"} for m in models]})
+
+    return Recorded
+
+
 def serve(handler: type[Quiet]) -> socketserver.ThreadingTCPServer:
     """Started on a free loopback port; `server_address[1]` is the port, `shutdown()` ends it."""
     server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)

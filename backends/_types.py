@@ -68,6 +68,9 @@ class StreamChunk:
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # A speculative decoder's verification steps for the whole request (SGLang's
+    # meta_info.spec_verify_ct, on its last event): tokens / steps is its accept length.
+    spec_verify_ct: int | None = None
 
 
 class EngineInfo(BaseModel):

@@ -176,6 +176,7 @@ class _CumulativeReader:
             finish_reason=_finish(finish)[0] if finish else None,
             prompt_tokens=count(meta.get("prompt_tokens")),
             completion_tokens=count(done),
+            spec_verify_ct=count(meta.get("spec_verify_ct")) if finish else None,
         )
 
 

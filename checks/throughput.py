@@ -229,6 +229,12 @@ def judge(
         for stat in ("ttft", "itl", "tpot", "e2el"):
             s = getattr(p, f"{stat}_ms")
             metrics.append(Metric(name=f"{c}.median_{stat}_ms", value=s.p50, unit="ms"))
+        if p.spec_accept_length is not None:
+            # A speculative decoder's speed is its accept length on this text: kept beside
+            # tok/s, TTFT and ITL so a comparison can say what the workload let it accept.
+            metrics.append(
+                Metric(name=f"{c}.spec_accept_length", value=p.spec_accept_length, unit="tok/step")
+            )
         if none_ok:
             # However many failures the settings allow, a run with no success has no figures.
             findings.append(

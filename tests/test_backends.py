@@ -429,6 +429,8 @@ def test_an_event_of_several_tokens_spreads_its_gap_over_them() -> None:
     assert (m.completed, m.failed, m.total_output_tokens) == (1, 0, 12)
     assert m.itl_ms.p50 is not None and 12 < m.itl_ms.p50 < 40, m.itl_ms
     assert m.tpot_ms.mean is not None and 12 < m.tpot_ms.mean < 40
+    # Its verification steps, reported on the last event, give the accept length.
+    assert m.spec_accept_length == 3.0
 
 
 def test_every_sglang_error_body_shape_gives_its_message() -> None:

@@ -111,6 +111,8 @@ async def _one(
                         server_out = chunk.completion_tokens
                     if chunk.prompt_tokens is not None:
                         server_in = chunk.prompt_tokens
+                    if chunk.spec_verify_ct is not None:
+                        rec.spec_verify_ct = chunk.spec_verify_ct
                     finish = chunk.finish_reason or finish
                 if ended:
                     break

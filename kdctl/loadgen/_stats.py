@@ -25,6 +25,8 @@ class RequestRecord:
     e2el_s: float | None = None
     # Gaps between successive token-bearing chunks, pooled over requests as vLLM does.
     itl_s: list[float] = field(default_factory=list)
+    # The engine's speculative verification steps, where it reports them.
+    spec_verify_ct: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -140,6 +142,10 @@ class BenchMetrics(BaseModel):
     tpot_ms: Stats
     itl_ms: Stats
     e2el_ms: Stats
+    # A speculative decoder's mean accepted tokens per verification step (output tokens over
+    # verification steps, over the requests that report them), as SGLang's bench_serving
+    # reports accept length; None for an engine that reports no verification steps.
+    spec_accept_length: float | None = None
     # Requests whose streamed token count disagreed with the server's own count.
     token_count_mismatches: int = 0
     # Requests that stopped before the asked output length although `ignore_eos` was set.
@@ -188,9 +194,16 @@ class BenchMetrics(BaseModel):
             tpot_ms=Stats.of([t for r in done if (t := r.tpot_s) is not None]),
             itl_ms=Stats.of([g for r in done for g in r.itl_s]),
             e2el_ms=Stats.of([r.e2el_s for r in done if r.e2el_s is not None]),
+            spec_accept_length=_accept_length(done),
             token_count_mismatches=sum(1 for r in done if r.streamed_tokens != r.output_tokens),
             short_outputs=sum(
                 1 for r in done if output_len is not None and r.output_tokens < output_len
             ),
             errors=distinct_errors[:10],
         )
+
+
+def _accept_length(done: Sequence[RequestRecord]) -> float | None:
+    spec = [r for r in done if r.spec_verify_ct]
+    steps = sum(r.spec_verify_ct or 0 for r in spec)
+    return round(sum(r.output_tokens for r in spec) / steps, 3) if steps else None

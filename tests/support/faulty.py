@@ -69,7 +69,10 @@ class Bursty(Quiet):
             ids += [event * 3 + 1, event * 3 + 2, event * 3 + 3]
             meta = {"prompt_tokens": 4, "completion_tokens": len(ids)}
             if event == 3:
+                # A speculative decoder's verification steps, on the last event as SGLang sends
+                # them: 12 tokens in 4 steps.
                 meta["finish_reason"] = {"type": "length", "length": 12}
+                meta["spec_verify_ct"] = 4
             body = {"text": "x" * len(ids), "output_ids": ids, "meta_info": meta}
             self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
             self.wfile.flush()

@@ -305,6 +305,21 @@ def judge(
     if verdict == "pass" and not decided:
         verdict = "inconclusive"
         reasons.append("no baseline and no SLO set: nothing to judge the figures against")
+    speculative = [
+        who
+        for who, run in ((backend, points), ("the baseline", base_points or []))
+        if any(p.spec_accept_length is not None for p in run)
+    ]
+    served = all(p.completed and p.failed <= settings.max_failed_requests for p in points)
+    if speculative and settings.workload.prompts is None and served and verdict != "error":
+        # A speculative decoder's speed is a property of the text it drafts on: random token
+        # ids accept almost nothing, so figures on them say little of the engine either way.
+        verdict = "inconclusive"
+        reasons.insert(
+            0,
+            f"{' and '.join(speculative)} decode speculatively, and the workload is random "
+            "token ids: set gates.throughput.workload.prompts to a text corpus to judge speed",
+        )
     return metrics, findings + reasons, verdict
 
 

@@ -432,6 +432,20 @@ def test_an_event_of_several_tokens_spreads_its_gap_over_them() -> None:
     # Its verification steps, reported on the last event, give the accept length.
     assert m.spec_accept_length == 3.0
 
+    # Judged on random token ids, a speculative decoder's speed is inconclusive, whatever
+    # the figures; on a text corpus, the figures decide.
+    from kdctl.checks.throughput import judge
+    from kdctl.inventory.models import ThroughputSettings
+
+    settings = ThroughputSettings(slo_ttft_ms=60_000)
+    metrics, reasons, verdict = judge(settings, [m], None, backend="bursty")
+    assert verdict == "inconclusive" and "bursty decode speculatively" in reasons[0]
+    assert any(x.name == "c1.spec_accept_length" and x.value == 3.0 for x in metrics)
+    on_text = settings.model_copy(
+        update={"workload": settings.workload.model_copy(update={"prompts": Path("chat.jsonl")})}
+    )
+    assert judge(on_text, [m], None, backend="bursty")[2] == "pass"
+
 
 def test_every_sglang_error_body_shape_gives_its_message() -> None:
     """The error bodies SGLang's source shows across versions (tests/fixtures/sglang), each

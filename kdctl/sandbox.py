@@ -175,7 +175,7 @@ def up(root: Path, *, router_choice: RouterChoice = "auto", progress: Any = None
         router = _router_kind() if router_choice == "auto" else router_choice
     inv_path = root / "inventory.yaml"
     inv_path.write_text(yaml.safe_dump(_inventory(root, router), sort_keys=False))
-    _make_models(root, progress)
+    make_models(root, progress)
     inv = load_inventory(inv_path)
     with TransportPool(inv) as pool, ExitStack() as open_backends:
         # Started together, then waited for: the three load their weights side by side.
@@ -195,7 +195,8 @@ def up(root: Path, *, router_choice: RouterChoice = "auto", progress: Any = None
     return status(root)
 
 
-def _make_models(root: Path, progress: Any) -> None:
+def make_models(root: Path, progress: Any = None) -> None:
+    """The tiny deepseek_v3 and its INT4 W4A16 variant under `root/models`, unless there."""
     from kdctl.backends.reference.model import make_model
 
     plain = root / "models" / "tiny-deepseek-v3"

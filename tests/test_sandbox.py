@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,24 @@ from tests.conftest import REPO, kdctl, need_module, need_sglang_router
 need_module("torch", "reference")
 
 
+@pytest.fixture(scope="module")
+def sandbox_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sandbox's two models, made once for this file by the sandbox's own maker; each
+    test's sandbox starts from a copy, which `up` reuses as it reuses what is already there."""
+    from kdctl.sandbox import make_models
+
+    root = tmp_path_factory.mktemp("sandbox-models") / "sandbox"
+    (root / "models").mkdir(parents=True)
+    make_models(root, None)
+    return root / "models"
+
+
+def _sandbox_dir(tmp_path: Path, models: Path) -> Path:
+    root = tmp_path / "sandbox"
+    shutil.copytree(models, root / "models")
+    return root
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -24,8 +43,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_sandbox_up_reuse_and_down(tmp_path: Path, need_nginx: str) -> None:
-    root = tmp_path / "sandbox"
+def test_sandbox_up_reuse_and_down(tmp_path: Path, need_nginx: str, sandbox_models: Path) -> None:
+    root = _sandbox_dir(tmp_path, sandbox_models)
     first = kdctl("sandbox", "up", "--dir", str(root), "--json", timeout=600)
     assert first.code == 0, first.out + first.err
     doc = json.loads(first.out)
@@ -51,11 +70,13 @@ def test_sandbox_up_reuse_and_down(tmp_path: Path, need_nginx: str) -> None:
     assert kdctl("sandbox", "status", "--dir", str(root)).code == 1
 
 
-def test_sandbox_with_sglang_router_cuts_over_blue_green(tmp_path: Path) -> None:
+def test_sandbox_with_sglang_router_cuts_over_blue_green(
+    tmp_path: Path, sandbox_models: Path
+) -> None:
     """Where nginx is missing the sandbox fronts its engines with SGLang's router, which has no
     weights: the same cutover becomes blue-green."""
     need_sglang_router()
-    root = tmp_path / "sandbox"
+    root = _sandbox_dir(tmp_path, sandbox_models)
     up = kdctl(
         "sandbox", "up", "--dir", str(root), "--router", "sglang-router", "--json", timeout=600
     )
@@ -87,8 +108,10 @@ def test_sandbox_with_sglang_router_cuts_over_blue_green(tmp_path: Path) -> None
 # The README's first command, end to end: the demo's story on the sandbox, its outputs
 # checked. In this file because it binds the sandbox's fixed ports too (one test worker runs
 # a file).
-def test_the_demo_tells_the_whole_story(tmp_path: Path, need_nginx: str) -> None:
-    sandbox = tmp_path / "sandbox"
+def test_the_demo_tells_the_whole_story(
+    tmp_path: Path, need_nginx: str, sandbox_models: Path
+) -> None:
+    sandbox = _sandbox_dir(tmp_path, sandbox_models)
     env = {
         **os.environ,
         "VENV": str(Path(sys.executable).parent.parent),

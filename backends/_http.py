@@ -129,7 +129,15 @@ class HttpSession:
             raise self._fail(path, exc) from None
 
     def health(self, path: str = "/health") -> HealthResult:
-        return probe_health(self._client, self.base_url, api_key=self._key, path=path)
+        # SGLang's generating /health may take its 20 s; never longer than this backend's
+        # own request deadline.
+        return probe_health(
+            self._client,
+            self.base_url,
+            api_key=self._key,
+            path=path,
+            timeout=min(self.timeout, 25.0),
+        )
 
     def metrics(self) -> dict[str, Any]:
         """Prometheus families by name; `{}` where the engine exports none (SGLang mounts

@@ -46,7 +46,6 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
 
     inv = str(front["inv"])
     state = front["inv"].parent / "state"
-    base = [sys.executable, "-m", "kdctl"]
     steps = ["--steps", "50,100", "--watch", "1"] if strategy == "canary" else []
     unapplied = 0
     with Load(front["url"]) as load:
@@ -54,37 +53,16 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
             db = state / "traffic.sqlite"
             before = 0
             if db.exists():
-                with sqlite3.connect(db) as conn:
-                    before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-            proc = subprocess.Popen(
-                [
-                    *base,
-                    "cutover",
-                    "--to",
-                    "candidate",
-                    "--strategy",
-                    strategy,
-                    *steps,
-                    "--force",
-                    "--yes",
-                    "-i",
-                    inv,
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                conn = sqlite3.connect(db)
+                before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+                conn.close()
+            cutover = ["cutover", "--to", "candidate", "--strategy", strategy, *steps]
+            _kill_when(
+                [*cutover, "--force", "--yes", "-i", inv],
+                db,
+                "SELECT count(*) FROM steps",
+                before + k,
             )
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    with sqlite3.connect(db) as conn:
-                        n = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
-                except sqlite3.OperationalError:
-                    n = before  # the journal is still being created
-                if n - before >= k:
-                    proc.kill()
-                    break
-                time.sleep(0.005)
-            proc.wait(30)
             with SqliteJournal(state) as journal:
                 open_one = journal.latest(state="running")
             assert open_one is not None, f"round {k}: the cutover finished before the kill"

@@ -62,15 +62,18 @@ def test_local_run_and_files(tmp_path: Path) -> None:
 
 def test_local_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
+    # Durations no other process on the machine is sleeping, so `ps` finds only these.
+    first, second = (f"{n}.{int(marker[:6], 16) % 1000:03d}" for n in (30, 31))
     started = time.monotonic()
     with pytest.raises(CommandTimeout):
         LocalTransport("local").run(
-            ["sh", "-c", f"sleep 30 & sleep 31; echo {marker}"], timeout=0.5
+            ["sh", "-c", f"sleep {first} & sleep {second}; echo {marker}"], timeout=0.5
         )
     assert time.monotonic() - started < 5
     time.sleep(0.2)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "sleep 30" not in ps and "sleep 31" not in ps
+    left = {line.strip() for line in ps.splitlines()}
+    assert f"sleep {first}" not in left and f"sleep {second}" not in left
 
 
 @pytest.mark.parametrize("template", HOSTILE)

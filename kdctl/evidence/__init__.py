@@ -4,7 +4,7 @@ PostgreSQL store a team shares."""
 import os
 
 from kdctl.evidence._freshness import Freshness, freshness
-from kdctl.evidence._postgres import PostgresStore, connect, placeholders, shown_url
+from kdctl.evidence._postgres import PostgresStore, connect, error_type, run, shown_url
 from kdctl.evidence._postgres import explain as explain_postgres
 from kdctl.evidence.store import DB_NAME, EvidenceStore, SqliteStore
 from kdctl.evidence.transfer import (
@@ -74,6 +74,7 @@ __all__ = [
     "SqliteStore",
     "check_url",
     "connect",
+    "error_type",
     "explain_postgres",
     "export_evidence",
     "freshness",
@@ -81,8 +82,8 @@ __all__ = [
     "migrate",
     "open_store",
     "open_url",
-    "placeholders",
     "read_evidence_file",
+    "run",
     "shared_url",
     "shown_url",
     "store_digest",

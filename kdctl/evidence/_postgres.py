@@ -77,7 +77,7 @@ class PostgresStore(EvidenceStore):
     def __init__(self, url: str, *, password: str | None = None):
         self.url = url
         self.where = shown_url(url)
-        self.errors = (_psycopg().Error,)
+        self.errors = (error_type(),)
         self._db = connect(url, password=password)
         try:
             self._migrate(self._version_in, self._set_version)
@@ -125,5 +125,15 @@ class PostgresStore(EvidenceStore):
         return self._run(self._db, sql, args)
 
     def _run(self, db: Any, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        cur = db.execute(placeholders(sql), list(args))
-        return list(cur.fetchall()) if cur.description is not None else []
+        return run(db, sql, args)
+
+
+def run(db: Any, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+    """One statement in kdctl's `?` style; its rows, or none for a statement that returns none."""
+    cur = db.execute(placeholders(sql), list(args))
+    return list(cur.fetchall()) if cur.description is not None else []
+
+
+def error_type() -> type[BaseException]:
+    """psycopg's base error, for the stores' error handling."""
+    return _psycopg().Error  # type: ignore[no-any-return]

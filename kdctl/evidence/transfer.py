@@ -145,7 +145,10 @@ class Migrated(BaseModel):
 
 def store_digest(store: EvidenceStore) -> tuple[int, int, str]:
     """(results, baselines, digest): what a copy must reproduce exactly."""
-    results, baselines = store.results(), store.baselines()
+    return _digest(store.results(), store.baselines())
+
+
+def _digest(results: list[GateResult], baselines: list[Baseline]) -> tuple[int, int, str]:
     bodies = sorted(
         [("result", r.id, canonical(r.model_dump_json())) for r in results]
         + [("baseline", b.id, canonical(b.model_dump_json())) for b in baselines]
@@ -159,15 +162,12 @@ def migrate(source: EvidenceStore, target: EvidenceStore) -> Migrated:
     elsewhere; then only the source's records are compared)."""
     results, baselines = source.results(), source.baselines()
     added, skipped = target.merge(results, baselines, source=f"migrate from {source.where}")
-    want = store_digest(source)
+    want = _digest(results, baselines)
     copied = {r.id for r in results} | {b.id for b in baselines}
-    got_results = [r for r in target.results() if r.id in copied]
-    got_baselines = [b for b in target.baselines() if b.id in copied]
-    bodies = sorted(
-        [("result", r.id, canonical(r.model_dump_json())) for r in got_results]
-        + [("baseline", b.id, canonical(b.model_dump_json())) for b in got_baselines]
+    got = _digest(
+        [r for r in target.results() if r.id in copied],
+        [b for b in target.baselines() if b.id in copied],
     )
-    got = (len(got_results), len(got_baselines), content_hash(bodies))
     if got != want:
         raise InfraError(
             f"{target.where}: the copy does not verify: {got[0]} results and {got[1]} baselines "

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from kdctl._redact import scrub, scrub_data
 from kdctl._statefile import explain, explained
 from kdctl.errors import KdctlError
-from kdctl.evidence import explain_postgres, placeholders, shared_url, shown_url
+from kdctl.evidence import error_type, explain_postgres, run, shared_url, shown_url
 from kdctl.inventory import LoadedInventory
 from kdctl.records import utcnow
 
@@ -313,7 +313,7 @@ class PostgresJournal(Journal):
 
         self.where = shown_url(url)
         self._db = connect(url, password=password)
-        self.errors = (_pg_error(),)
+        self.errors = (error_type(),)
         self._locked = False
         try:
             with self._db.transaction():
@@ -332,8 +332,7 @@ class PostgresJournal(Journal):
         return explain_postgres(self.where, exc)
 
     def _exec(self, sql: str, args: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        cur = self._db.execute(placeholders(sql), list(args))
-        return list(cur.fetchall()) if cur.description is not None else []
+        return run(self._db, sql, args)
 
     def _close(self) -> None:
         self._db.close()
@@ -358,12 +357,6 @@ class PostgresJournal(Journal):
             self._exec("DELETE FROM traffic_lock")
             self._exec("SELECT pg_advisory_unlock(?)", (TRAFFIC_LOCK,))
         self._locked = False
-
-
-def _pg_error() -> type[BaseException]:
-    import psycopg
-
-    return psycopg.Error
 
 
 def open_journal(inv: LoadedInventory) -> Journal:

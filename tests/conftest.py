@@ -159,30 +159,47 @@ def need_nginx() -> str:
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every xdist worker of this run sees (their base temps share a parent)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def made_once(root: Path, name: str, *args: str) -> Path:
+    """`kdctl reference make-model ... --out root/name`, made by the first worker to ask and
+    read by the rest: training a model is the suite's costliest start-up, and the same
+    arguments give the same bytes."""
+    import fcntl
+
+    out = root / name
+    with (root / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            tmp = root / f"{name}.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            run = kdctl("reference", "make-model", *args, "--out", str(tmp))
+            assert run.code == 0, run.err
+            tmp.rename(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny models, made once through the real CLI: deepseek_v3 and its W4A16 variant."""
+    """The tiny models, made once per run through the real CLI: deepseek_v3 and its W4A16
+    variant."""
     need_module("torch", "reference")
-    root = tmp_path_factory.mktemp("models")
-    made = {"dsv3": root / "tiny-deepseek-v3", "dsv3-int4": root / "tiny-deepseek-v3-w4a16"}
-    for args in (
-        ["--arch", "deepseek_v3", "--out", str(made["dsv3"])],
-        [
-            "--arch",
-            "deepseek_v3",
-            "--from",
-            str(made["dsv3"]),
-            "--quantize",
-            "w4a16",
-            "--group-size",
-            "16",
-            "--out",
-            str(made["dsv3-int4"]),
-        ],
-    ):
-        run = kdctl("reference", "make-model", *args)
-        assert run.code == 0, run.err
-    return made
+    root = shared_dir(tmp_path_factory, "models")
+    plain = made_once(root, "tiny-deepseek-v3", "--arch", "deepseek_v3")
+    int4 = made_once(
+        root,
+        "tiny-deepseek-v3-w4a16",
+        *("--arch", "deepseek_v3", "--from", str(plain), "--quantize", "w4a16"),
+        *("--group-size", "16"),
+    )
+    return {"dsv3": plain, "dsv3-int4": int4}
 
 
 @dataclass

@@ -18,13 +18,14 @@ need_module("torch", "reference")
 
 
 @pytest.fixture(scope="module")
-def sandbox_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The sandbox's two models, made once for this file by the sandbox's own maker; each
-    test's sandbox starts from a copy, which `up` reuses as it reuses what is already there."""
+def sandbox_models(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) -> Path:
+    """The sandbox's two models, made once for this file by the sandbox's own maker (from the
+    run's shared tiny model, which is the sandbox's to the byte); each test's sandbox starts
+    from a copy, which `up` reuses as it reuses what is already there."""
     from kdctl.sandbox import make_models
 
     root = tmp_path_factory.mktemp("sandbox-models") / "sandbox"
-    (root / "models").mkdir(parents=True)
+    shutil.copytree(models["dsv3"], root / "models" / models["dsv3"].name)
     make_models(root, None)
     return root / "models"
 

@@ -51,6 +51,9 @@ class GenerateResult(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] = Field(default_factory=list)
+    # A speculative decoder's verification passes (SGLang's meta_info.spec_verify_ct); absent
+    # from an engine that does not decode speculatively.
+    spec_verify_ct: int | None = None
 
 
 @dataclass(slots=True)

@@ -45,6 +45,9 @@ class ContractResult(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = Field(default_factory=list)
+    # Verification passes of a speculative decoder, as SGLang's meta_info.spec_verify_ct;
+    # absent when the engine does not decode speculatively.
+    spec_verify_ct: int | None = None
     error: ContractError | None = None
 
 

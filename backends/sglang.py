@@ -135,6 +135,7 @@ class SGLangBackend(HttpBackend):
                 prompt_tokens=int(meta.get("prompt_tokens") or 0),
                 completion_tokens=int(meta.get("completion_tokens") or len(ids)),
                 logprobs=logprobs,
+                spec_verify_ct=count(meta.get("spec_verify_ct")),
             )
         except (TypeError, ValueError, IndexError, KeyError) as exc:
             raise BackendProtocolError(self.name, url, f"malformed answer: {exc}") from None

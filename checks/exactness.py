@@ -73,16 +73,20 @@ def corpus_path(ctx: GateContext, settings: ExactnessSettings) -> Path:
 def prompt_file(ctx: GateContext, configured: Path | None, field: str) -> Path:
     """A prompt file named in the inventory: relative to it, else one shipped under
     roadmap/prompts/; unset, the sandbox corpus."""
-    shipped_dir = files("kdctl.roadmap").joinpath("prompts")
     if configured is None:
-        return Path(str(shipped_dir.joinpath(DEFAULT_CORPUS)))
+        return shipped_prompts(DEFAULT_CORPUS)
     path = local_path(configured, ctx.inventory.path.parent)
     if path.exists():
         return path
-    shipped = shipped_dir.joinpath(configured.name)
+    shipped = shipped_prompts(configured.name)
     if shipped.is_file():
-        return Path(str(shipped))
+        return shipped
     raise InputError(f"{field}: {configured} does not exist")
+
+
+def shipped_prompts(name: str) -> Path:
+    """A prompt file kdctl ships under roadmap/prompts/."""
+    return Path(str(files("kdctl.roadmap").joinpath("prompts").joinpath(name)))
 
 
 def workload_hash(corpus: list[dict[str, Any]], settings: ExactnessSettings) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from kdctl.backends import Backend, GenerateRequest, HttpBackend
 from kdctl.checks._base import Gate, GateContext, provenance_of
-from kdctl.checks.exactness import load_corpus, prompt_file
+from kdctl.checks.exactness import load_corpus, prompt_file, shipped_prompts
 from kdctl.errors import InfraError, InputError, KdctlError
 from kdctl.inventory.models import ThroughputSettings
 from kdctl.loadgen import SLO, BenchMetrics, LoadPlan, Progress, run_load
@@ -35,13 +35,23 @@ _SLOS = (
 )
 
 
+# The shipped corpus (roadmap/prompts/): chat, code, math and long prompts written for kdctl,
+# what a speculative engine's speed is measured on unless the inventory names another.
+TEXT_CORPUS = "mixed.jsonl"
+# A short greedy request that shows whether an engine drafts and verifies.
+_PROBE = GenerateRequest(text="def add(a, b):", max_new_tokens=8, temperature=0.0, ignore_eos=True)
+
+
 def build_requests(
-    ctx: GateContext, settings: ThroughputSettings
+    ctx: GateContext, settings: ThroughputSettings, *, text: bool | None = None
 ) -> tuple[list[GenerateRequest], str]:
     """The workload's requests and its hash: random token ids from the seed, or a prompt file
-    cycled to `num_prompts`."""
+    cycled to `num_prompts`. `text` is the choice `source: auto` leaves to the engines
+    (`speculating`); unset, auto means random ids unless `prompts` is set."""
     w = settings.workload
-    if w.prompts is None:
+    if text is None:
+        text = w.source == "text" or w.prompts is not None
+    if not text:
         rng = random.Random(w.seed)  # noqa: S311 - a workload, not a secret
         low, high = w.token_range
         prompts: list[dict[str, Any]] = [
@@ -49,7 +59,12 @@ def build_requests(
             for _ in range(w.num_prompts)
         ]
     else:
-        corpus = load_corpus(prompt_file(ctx, w.prompts, "gates.throughput.workload.prompts"))
+        path = (
+            prompt_file(ctx, w.prompts, "gates.throughput.workload.prompts")
+            if w.prompts is not None
+            else shipped_prompts(TEXT_CORPUS)
+        )
+        corpus = load_corpus(path)
         prompts = [corpus[i % len(corpus)] for i in range(w.num_prompts)]
     requests = [
         GenerateRequest(
@@ -63,12 +78,37 @@ def build_requests(
     ]
     workload = content_hash(
         {
-            "workload": w.model_dump(mode="json", exclude={"prompts"}),
+            # The prompts themselves say what was sent, however `source` chose them.
+            "workload": w.model_dump(mode="json", exclude={"prompts", "source"}),
             "prompts": prompts,
             "client": settings.client,
         }
     )[:16]
     return requests, workload
+
+
+def speculating(ctx: GateContext, names: list[str]) -> list[str]:
+    """Which of these engines decode speculatively, asked of each: one short greedy request,
+    and whether its answer counts verification passes. One that does not answer is not
+    counted; the measurement will say why it failed."""
+    found = []
+    for name in names:
+        try:
+            with ctx.backend(name) as be:
+                if isinstance(be, HttpBackend) and be.generate(_PROBE).spec_verify_ct is not None:
+                    found.append(name)
+        except KdctlError:
+            continue
+    return found
+
+
+def text_chosen(ctx: GateContext, settings: ThroughputSettings, names: list[str]) -> list[str]:
+    """Under `source: auto` with no prompt file, the engines among `names` that decode
+    speculatively, for whom the workload becomes text; empty otherwise."""
+    w = settings.workload
+    if w.source != "auto" or w.prompts is not None:
+        return []
+    return speculating(ctx, names)
 
 
 def measure(
@@ -110,10 +150,23 @@ def _reporter(ctx: GateContext, what: str) -> Progress:
     return report
 
 
-def record_throughput(ctx: GateContext, backend: str) -> Baseline:
-    """The throughput run of the engine serving today, for later comparison with a candidate."""
+def record_throughput(ctx: GateContext, backend: str) -> list[Baseline]:
+    """The throughput runs of the engine serving today, for later comparison with a
+    candidate: under `source: auto` with no prompt file, on random ids and on the text corpus
+    both, since which one a candidate is judged on depends on whether it decodes
+    speculatively, and it may not be up to ask yet."""
     settings = ctx.inventory.spec.gates.throughput
-    requests, workload = build_requests(ctx, settings)
+    w = settings.workload
+    both = w.source == "auto" and w.prompts is None
+    return [
+        _record_one(ctx, backend, settings, text) for text in ((False, True) if both else (None,))
+    ]
+
+
+def _record_one(
+    ctx: GateContext, backend: str, settings: ThroughputSettings, text: bool | None
+) -> Baseline:
+    requests, workload = build_requests(ctx, settings, text=text)
     with ctx.backend(backend) as be:
         info = be.info()
         points = measure(ctx, be, settings, requests)
@@ -148,7 +201,9 @@ class ThroughputGate(Gate):
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
         started = utcnow()
         settings = ctx.inventory.spec.gates.throughput
-        requests, workload = build_requests(ctx, settings)
+        drafting = text_chosen(ctx, settings, [n for n in (backend, baseline) if n])
+        requests, workload = build_requests(ctx, settings, text=bool(drafting) or None)
+        random_ids = requests[0].input_ids is not None
         info = None
         source = ""
         base_points: list[BenchMetrics] | None = None
@@ -171,9 +226,19 @@ class ThroughputGate(Gate):
             return self.errored(
                 ctx, backend, baseline, exc, info=info, workload=workload, started=started
             )
-        metrics, reasons, verdict = judge(settings, points, base_points, backend=backend)
+        metrics, reasons, verdict = judge(
+            settings, points, base_points, backend=backend, random_ids=random_ids
+        )
         if source:
             reasons.insert(0, f"compared with {source}")
+        if drafting:
+            reasons.insert(
+                0,
+                f"workload: the shipped text corpus {TEXT_CORPUS}, because "
+                f"{' and '.join(drafting)} decode{'s' if len(drafting) == 1 else ''} "
+                "speculatively (a drafting engine's speed depends on the text; random token "
+                "ids say little of it)",
+            )
         return self.result(
             ctx,
             backend,
@@ -197,6 +262,7 @@ def judge(
     base_points: list[BenchMetrics] | None,
     *,
     backend: str,
+    random_ids: bool,
 ) -> tuple[list[Metric], list[str], Verdict]:
     """Every concurrency must hold the ratio and every SLO. A run in which every request failed
     measured nothing and fails; an SLO or ratio that could not be measured otherwise (no
@@ -311,14 +377,15 @@ def judge(
         if any(p.spec_accept_length is not None for p in run)
     ]
     served = all(p.completed and p.failed <= settings.max_failed_requests for p in points)
-    if speculative and settings.workload.prompts is None and served and verdict != "error":
+    if speculative and random_ids and served and verdict != "error":
         # A speculative decoder's speed is a property of the text it drafts on: random token
         # ids accept almost nothing, so figures on them say little of the engine either way.
         verdict = "inconclusive"
         reasons.insert(
             0,
             f"{' and '.join(speculative)} decode speculatively, and the workload is random "
-            "token ids: set gates.throughput.workload.prompts to a text corpus to judge speed",
+            "token ids: set gates.throughput.workload.source to auto or text (or prompts to a "
+            "text corpus) to judge speed",
         )
     return metrics, findings + reasons, verdict
 

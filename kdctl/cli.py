@@ -733,6 +733,17 @@ def reference_serve(
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], typer.Option("--dtype")] = (
         "float32"
     ),
+    draft_model: Annotated[
+        Path | None,
+        typer.Option(
+            "--draft-model",
+            help="Decode speculatively: a smaller model of the same tokenizer drafts, --model "
+            "verifies (greedy requests).",
+        ),
+    ] = None,
+    draft_tokens: Annotated[
+        int, typer.Option("--draft-tokens", min=1, help="Tokens drafted per verification.")
+    ] = 4,
 ) -> None:
     """Serve a reference model behind SGLang's HTTP API (503 until it is loaded)."""
     from kdctl.backends.reference.server import serve
@@ -745,6 +756,8 @@ def reference_serve(
         api_key_env=api_key_env,
         device=device,
         dtype=dtype,
+        draft=draft_model,
+        draft_tokens=draft_tokens,
     )
 
 
@@ -753,11 +766,17 @@ def reference_batch(
     model: Annotated[Path, typer.Option("--model", help="A model folder.")],
     request: Annotated[Path, typer.Option("--request", help="The contract's request file.")],
     response: Annotated[Path, typer.Option("--response", help="Where to write the response.")],
+    draft_model: Annotated[
+        Path | None, typer.Option("--draft-model", help="Decode speculatively with this draft.")
+    ] = None,
+    draft_tokens: Annotated[int, typer.Option("--draft-tokens", min=1)] = 4,
 ) -> None:
     """Answer a native-engine contract request file with the reference model."""
     from kdctl.backends.reference.batch import run_contract
 
-    raise typer.Exit(run_contract(model, request, response))
+    raise typer.Exit(
+        run_contract(model, request, response, draft=draft_model, draft_tokens=draft_tokens)
+    )
 
 
 def main() -> None:

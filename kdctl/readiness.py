@@ -330,7 +330,7 @@ def _serving(
     measured = f"{float(shown.value or 0):.2f}x {against}" if shown else "measured"
     ago = f"measured {age_text(timedelta(seconds=status.age_s))} ago" if status.age_s else ""
     needs = f"needs {status.threshold}"
-    where = f"on {criterion.name}'s workload"
+    where = f"on {criterion.name}'s workload{_drafting(store, status.evidence_id)}"
     if status.state == "pass":
         answer.speed_optimized = "yes"
         answer.speed = f"{measured} {where} ({needs}; {ago})"
@@ -341,6 +341,20 @@ def _serving(
         answer.speed_optimized = "unmeasured"
         answer.speed = f"unmeasured by {criterion.name} ({needs}): {status.reason}"
     return answer
+
+
+def _drafting(store: EvidenceStore, evidence_id: str | None) -> str:
+    """A speculative engine's accept length on the measured workload, from the same result:
+    its speed is worth only as much as the text let it accept."""
+    result = store.get(evidence_id) if evidence_id else None
+    accepted = [
+        float(m.value)
+        for m in (result.metrics if result else [])
+        if m.name.endswith(".spec_accept_length") and m.value is not None
+    ]
+    if not accepted:
+        return ""
+    return f", decoding speculatively with {min(accepted):.2f} tokens accepted per verification"
 
 
 def assess_phases(

@@ -111,14 +111,18 @@ def record_baseline(
     Each is stored as soon as it is measured, so a failure in the second keeps the first.
     """
     check_names(inv, backend)
-    recorders = {"golden": record_golden, "throughput": record_throughput, "api": record_api}
+    recorders: dict[BaselineKind, Callable[[GateContext, str], list[Baseline]]] = {
+        "golden": lambda ctx, name: [record_golden(ctx, name)],
+        "throughput": record_throughput,
+        "api": lambda ctx, name: [record_api(ctx, name)],
+    }
     recorded = []
     with using(inv, session) as s, gate_context(inv, store, progress, session=s) as ctx:
         for kind in kinds:
-            baseline = recorders[kind](ctx, backend)
-            baseline.provenance = s.binder.bind(backend, baseline.provenance)
-            store.record_baseline(baseline)
-            recorded.append(baseline)
+            for baseline in recorders[kind](ctx, backend):
+                baseline.provenance = s.binder.bind(backend, baseline.provenance)
+                store.record_baseline(baseline)
+                recorded.append(baseline)
     return recorded
 
 

@@ -45,6 +45,12 @@ ENGINES = {
     "candidate": ("native", "tiny-deepseek-v3", 31000),
     "candidate-int4": ("native", "tiny-deepseek-v3-w4a16", 31001),
 }
+# The candidate decodes speculatively, as the team's engine does: this one-layer model of the
+# same tokenizer drafts, the target verifies.
+DRAFT = "tiny-deepseek-v3-draft"
+DRAFT_CONFIG = {"num_hidden_layers": 1}
+DRAFT_TOKENS = 4
+SPECULATIVE = {"candidate"}
 FRONT_PORT = 8000
 
 
@@ -109,7 +115,13 @@ def _inventory(root: Path, router: str) -> dict[str, Any]:
             "tp_size": 1,
             "model": str(root / "models" / model),
             "service": {
-                "command": serve_argv(root / "models" / model, port, served_name=model),
+                "command": serve_argv(
+                    root / "models" / model,
+                    port,
+                    served_name=model,
+                    draft=root / "models" / DRAFT if name in SPECULATIVE else None,
+                    draft_tokens=DRAFT_TOKENS if name in SPECULATIVE else None,
+                ),
                 "pidfile": str(root / "run" / f"{name}.pid"),
                 "log": str(root / "log" / f"{name}.log"),
             },
@@ -196,21 +208,26 @@ def up(root: Path, *, router_choice: RouterChoice = "auto", progress: Any = None
 
 
 def make_models(root: Path, progress: Any = None) -> None:
-    """The tiny deepseek_v3 and its INT4 W4A16 variant under `root/models`, unless there."""
+    """The tiny deepseek_v3, its one-layer draft and its INT4 W4A16 variant under
+    `root/models`, unless there."""
     from kdctl.backends.reference.model import make_model
 
     plain = root / "models" / "tiny-deepseek-v3"
-    quant = root / "models" / "tiny-deepseek-v3-w4a16"
-    if not (plain / "config.json").exists():
-        if progress:
-            progress("models", 0, 2)
-        make_model("deepseek_v3", plain)
-    if not (quant / "config.json").exists():
-        if progress:
-            progress("models", 1, 2)
-        make_model("deepseek_v3", quant, quantize="w4a16", group_size=INT4_GROUP, from_model=plain)
+    steps: list[tuple[Path, dict[str, Any]]] = [
+        (plain, {}),
+        (root / "models" / DRAFT, {"config_overrides": DRAFT_CONFIG}),
+        (
+            root / "models" / "tiny-deepseek-v3-w4a16",
+            {"quantize": "w4a16", "group_size": INT4_GROUP, "from_model": plain},
+        ),
+    ]
+    for i, (out, kwargs) in enumerate(steps):
+        if not (out / "config.json").exists():
+            if progress:
+                progress("models", i, len(steps))
+            make_model("deepseek_v3", out, **kwargs)
     if progress:
-        progress("models", 2, 2)
+        progress("models", len(steps), len(steps))
 
 
 def _start_router(inv: LoadedInventory, root: Path, router: str, pool: TransportPool) -> None:

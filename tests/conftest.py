@@ -199,7 +199,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         *("--arch", "deepseek_v3", "--from", str(plain), "--quantize", "w4a16"),
         *("--group-size", "16"),
     )
-    return {"dsv3": plain, "dsv3-int4": int4}
+    # A draft for speculative decoding: one layer, the same tokenizer (the sandbox's own).
+    draft = made_once(
+        root, "tiny-deepseek-v3-draft", "--arch", "deepseek_v3", "--set", "num_hidden_layers=1"
+    )
+    return {"dsv3": plain, "dsv3-int4": int4, "dsv3-draft": draft}
 
 
 @dataclass
@@ -210,7 +214,9 @@ class Served:
     proc: subprocess.Popen[bytes]
 
 
-def serve_reference(model: Path, *, api_key: str | None = None) -> Served:
+def serve_reference(
+    model: Path, *, api_key: str | None = None, draft: Path | None = None
+) -> Served:
     from tests.support.sshd import free_port
 
     port = free_port()
@@ -218,7 +224,7 @@ def serve_reference(model: Path, *, api_key: str | None = None) -> Served:
     key_env = "KDCTL_TEST_SERVE_KEY" if api_key else None
     if api_key:
         env["KDCTL_TEST_SERVE_KEY"] = api_key
-    args = serve_argv(model, port, served_name=model.name, api_key_env=key_env)
+    args = serve_argv(model, port, served_name=model.name, api_key_env=key_env, draft=draft)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

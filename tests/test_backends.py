@@ -110,7 +110,7 @@ def test_info_and_metrics(reference_server: Served, models: dict[str, Path]) -> 
         info = be.info()
         assert info.model == str(models["dsv3"])
         assert info.version and info.version.startswith("kdctl-reference")
-        assert info.tp_size == 1 and info.context_length == 1024
+        assert info.tp_size == 1 and info.context_length == 2048
         before = be.metrics()["sglang:generation_tokens"].samples[0].value
         be.generate(GenerateRequest(input_ids=[5], max_new_tokens=3, ignore_eos=True))
         after = be.metrics()["sglang:generation_tokens"]
@@ -119,7 +119,7 @@ def test_info_and_metrics(reference_server: Served, models: dict[str, Path]) -> 
         assert be.health().state == "up"
     with make_backend("openai", spec("openai", reference_server.url)) as be:
         oi = be.info()
-        assert oi.served_name == models["dsv3"].name and oi.context_length == 1024
+        assert oi.served_name == models["dsv3"].name and oi.context_length == 2048
 
 
 def test_api_key(keyed_server: Served) -> None:
@@ -268,7 +268,7 @@ def test_status_shows_model_version_and_tp(
     base, cand = backends["baseline"], backends["candidate"]
     assert (base["state"], base["identity"], base["tp_size"]) == ("up", "live", 1)
     assert base["model"] == str(models["dsv3"]) and base["version"].startswith("kdctl-reference")
-    assert base["context_length"] == 1024 and base["latency_ms"] > 0
+    assert base["context_length"] == 2048 and base["latency_ms"] > 0
     # The inventory says TP 2; the engine says 1: the live answer wins and the gap is named.
     assert cand["model"] == str(models["dsv3-int4"]) and cand["tp_size"] == 1
     assert cand["detail"] == "engine reports TP 1, inventory says 2"
@@ -310,7 +310,7 @@ def test_reference_kind_in_process(models: dict[str, Path], engine) -> None:  # 
     )
     assert be.health().state == "up"
     info = be.info()
-    assert info.model == str(models["dsv3"]) and info.context_length == 1024 and info.tp_size == 1
+    assert info.model == str(models["dsv3"]) and info.context_length == 2048 and info.tp_size == 1
     got = be.generate(GREEDY)
     assert got.output_ids == engine.generate(GREEDY).output_ids
     assert [c.output_ids for c in be.stream(GREEDY)] == [got.output_ids]
@@ -438,13 +438,10 @@ def test_an_event_of_several_tokens_spreads_its_gap_over_them() -> None:
     from kdctl.inventory.models import ThroughputSettings
 
     settings = ThroughputSettings(slo_ttft_ms=60_000)
-    metrics, reasons, verdict = judge(settings, [m], None, backend="bursty")
+    metrics, reasons, verdict = judge(settings, [m], None, backend="bursty", random_ids=True)
     assert verdict == "inconclusive" and "bursty decode speculatively" in reasons[0]
     assert any(x.name == "c1.spec_accept_length" and x.value == 3.0 for x in metrics)
-    on_text = settings.model_copy(
-        update={"workload": settings.workload.model_copy(update={"prompts": Path("chat.jsonl")})}
-    )
-    assert judge(on_text, [m], None, backend="bursty")[2] == "pass"
+    assert judge(settings, [m], None, backend="bursty", random_ids=False)[2] == "pass"
 
 
 def test_every_sglang_error_body_shape_gives_its_message() -> None:

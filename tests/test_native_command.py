@@ -46,7 +46,7 @@ def test_command_mode_matches_the_reference_engine(models: dict[str, Path], tmp_
     assert batch.results[0].output_ids == want.output_ids
     assert batch.results[1].error is not None and "input_ids" in batch.results[1].error.message
     info = be.info()  # type: ignore[attr-defined]
-    assert info.model == str(models["dsv3"]) and info.context_length == 1024
+    assert info.model == str(models["dsv3"]) and info.context_length == 2048
     assert be.health().state == "up"  # type: ignore[attr-defined]
     with pytest.raises(BackendHTTPError, match="invalid_request"):
         be.generate(GenerateRequest(input_ids=[10**7], max_new_tokens=2))  # type: ignore[attr-defined]

@@ -19,13 +19,14 @@ need_module("torch", "reference")
 
 @pytest.fixture(scope="module")
 def sandbox_models(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) -> Path:
-    """The sandbox's two models, made once for this file by the sandbox's own maker (from the
-    run's shared tiny model, which is the sandbox's to the byte); each test's sandbox starts
-    from a copy, which `up` reuses as it reuses what is already there."""
+    """The sandbox's models, made once for this file by the sandbox's own maker (from the run's
+    shared tiny model and draft, which are the sandbox's to the byte); each test's sandbox
+    starts from a copy, which `up` reuses as it reuses what is already there."""
     from kdctl.sandbox import make_models
 
     root = tmp_path_factory.mktemp("sandbox-models") / "sandbox"
-    shutil.copytree(models["dsv3"], root / "models" / models["dsv3"].name)
+    for key in ("dsv3", "dsv3-draft"):
+        shutil.copytree(models[key], root / "models" / models[key].name)
     make_models(root, None)
     return root / "models"
 
@@ -144,6 +145,14 @@ def test_the_demo_tells_the_whole_story(
     assert re.search(r"Serving now: candidate through nginx on 127\.0\.0\.1:8000 \(answered", out)
     # A terminal table wraps the long line; the words are what count.
     assert re.search(r"speed: [\d.]+x baseline on\s+throughput:candidate's\s+workload", out)
+    # The candidate decodes speculatively: measured on text, its accept length beside its speed.
+    words = r"\s+".join
+    assert re.search(
+        words(["workload:", "the", "shipped", "text", "corpus", r"mixed\.jsonl,"]), out
+    )
+    assert re.search(
+        words(["decoding", "speculatively", "with", r"[\d.]+", "tokens", "accepted"]), out
+    )
     # The promotion the cutover recorded ends the last phase; the rollback's reopens it.
     # The INT4 phase is left, with the forecast its builds' trend gives (sandbox history).
     assert re.search(

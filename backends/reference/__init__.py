@@ -26,11 +26,18 @@ def serve_argv(
     *,
     served_name: str | None = None,
     api_key_env: str | None = None,
+    draft: Path | str | None = None,
+    draft_tokens: int | None = None,
 ) -> list[str]:
     """The command line of `kdctl reference serve`: what a service, a test or a benchmark runs
-    to put the reference model behind SGLang's API on loopback."""
+    to put the reference model behind SGLang's API on loopback (decoding speculatively with a
+    `draft` model)."""
     argv = [sys.executable, "-m", "kdctl", "reference", "serve", "--model", str(model)]
     argv += ["--port", str(port)]
+    if draft is not None:
+        argv += ["--draft-model", str(draft)]
+    if draft_tokens is not None:
+        argv += ["--draft-tokens", str(draft_tokens)]
     if served_name:
         argv += ["--served-model-name", served_name]
     if api_key_env:

@@ -28,7 +28,14 @@ from kdctl.backends.contract import (
 from kdctl.errors import InputError
 
 
-def run_contract(model_dir: Path, request: Path, response: Path) -> int:
+def run_contract(
+    model_dir: Path,
+    request: Path,
+    response: Path,
+    *,
+    draft: Path | None = None,
+    draft_tokens: int = 4,
+) -> int:
     try:
         batch = RequestFile.model_validate(json.loads(request.read_text()))
     except (OSError, json.JSONDecodeError, ValidationError) as exc:
@@ -36,8 +43,13 @@ def run_contract(model_dir: Path, request: Path, response: Path) -> int:
         return EXIT_BAD_REQUEST
     try:
         from kdctl.backends.reference.engine import ReferenceEngine
+        from kdctl.backends.reference.speculative import SpeculativeEngine
 
-        engine = ReferenceEngine(model_dir)
+        engine = (
+            ReferenceEngine(model_dir)
+            if draft is None
+            else SpeculativeEngine(model_dir, draft, draft_tokens=draft_tokens)
+        )
     except Exception as exc:
         print(f"cannot load {model_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ENGINE_FAILURE

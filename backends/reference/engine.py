@@ -29,6 +29,18 @@ def final(steps: Iterator[tuple[GenerateResult, bool]]) -> GenerateResult:
     return last
 
 
+def token_logprob(logits: Any, token: int, top_k: int) -> TokenLogprob:
+    """The chosen token's logprob, and the `top_k` best, from one position's logits."""
+    import torch
+
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top = []
+    if top_k:
+        vals, idx = torch.topk(logprobs, top_k)
+        top = [(int(i), float(v)) for v, i in zip(vals, idx, strict=True)]
+    return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
+
+
 class ReferenceEngine:
     def __init__(self, model_dir: Path, *, device: str = "cpu", dtype: str = "float32") -> None:
         require_extra("torch", "transformers")
@@ -65,6 +77,33 @@ class ReferenceEngine:
         """Yield the cumulative result after every token, and whether it is the last."""
         import torch
 
+        prompt = self.prompt_of(req)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(req.seed if req.seed is not None else 0)
+        stops = self.stops_of(req)
+        out: list[int] = []
+        lps: list[TokenLogprob] = []
+        ids = torch.tensor([prompt], device=self.device)
+        past = None
+        for _ in range(req.max_new_tokens):
+            # The lock is held for one step, never across a yield: a client that drops its
+            # stream leaves a suspended generator behind, and it must not hold the engine.
+            with self.lock, torch.no_grad():
+                step, past = self.forward(ids, past)
+                logits = step[-1]
+                token = self._choose(logits, req, gen)
+                lp = token_logprob(logits, token, req.top_logprobs)
+            out.append(token)
+            lps.append(lp)
+            ids = torch.tensor([[token]], device=self.device)
+            result, finish = self.result(prompt, out, lps, req, stops)
+            yield result, finish
+            if finish:
+                return
+
+    def prompt_of(self, req: GenerateRequest) -> list[int]:
+        """The request's prompt as token ids, checked against the model's vocabulary and
+        context."""
         prompt = req.input_ids if req.input_ids is not None else self.encode(req.text or "")
         if not prompt:
             raise InputError("the prompt is empty")
@@ -76,48 +115,42 @@ class ReferenceEngine:
         vocab = int(self.config.get("vocab_size") or 0)
         if vocab and any(not 0 <= t < vocab for t in prompt):
             raise InputError(f"input_ids must be in [0, {vocab})")
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(req.seed if req.seed is not None else 0)
-        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
-        out: list[int] = []
-        lps: list[TokenLogprob] = []
-        ids = torch.tensor([prompt], device=self.device)
-        past = None
-        for _ in range(req.max_new_tokens):
-            # The lock is held for one step, never across a yield: a client that drops its
-            # stream leaves a suspended generator behind, and it must not hold the engine.
-            with self.lock, torch.no_grad():
-                step = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past})
-                past = getattr(step, self._cache_arg)
-                logits = step.logits[0, -1].float()
-                logprobs = torch.log_softmax(logits, dim=-1)
-                token = self._choose(logits, req, gen)
-                top = []
-                if req.top_logprobs:
-                    vals, idx = torch.topk(logprobs, req.top_logprobs)
-                    top = [(int(i), float(v)) for v, i in zip(vals, idx, strict=True)]
-                chosen_lp = float(logprobs[token])
-            out.append(token)
-            lps.append(TokenLogprob(token_id=token, logprob=chosen_lp, top=top))
-            ids = torch.tensor([[token]], device=self.device)
-            finish, matched = self._finished(out, req, stops)
-            text = self.decode(out)
-            if finish == "stop" and isinstance(matched, str):
-                text = text[: text.index(matched)]
-            yield (
-                GenerateResult(
-                    output_ids=list(out),
-                    text=text,
-                    finish_reason=finish or "length",
-                    matched_stop=matched,
-                    prompt_tokens=len(prompt),
-                    completion_tokens=len(out),
-                    logprobs=list(lps),
-                ),
-                finish is not None,
-            )
-            if finish:
-                return
+        return list(prompt)
+
+    def stops_of(self, req: GenerateRequest) -> set[int]:
+        return set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
+
+    def forward(self, ids: Any, past: Any) -> tuple[Any, Any]:
+        """One forward pass over `ids` after the cache `past`: the fp32 logits of every
+        position fed, and the grown cache. The caller holds the lock."""
+        step = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past})
+        return step.logits[0].float(), getattr(step, self._cache_arg)
+
+    def result(
+        self,
+        prompt: list[int],
+        out: list[int],
+        lps: list[TokenLogprob],
+        req: GenerateRequest,
+        stops: set[int],
+        **extra: Any,
+    ) -> tuple[GenerateResult, bool]:
+        """The cumulative result after `out`, and whether the generation ends with it."""
+        finish, matched = self._finished(out, req, stops)
+        text = self.decode(out)
+        if finish == "stop" and isinstance(matched, str):
+            text = text[: text.index(matched)]
+        result = GenerateResult(
+            output_ids=list(out),
+            text=text,
+            finish_reason=finish or "length",
+            matched_stop=matched,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(out),
+            logprobs=list(lps),
+            **extra,
+        )
+        return result, finish is not None
 
     def responsive(self, timeout_s: float) -> bool:
         """Whether a generation step could start within `timeout_s`: false when a step hangs."""

@@ -133,7 +133,8 @@ def _config(arch: Arch, overrides: Mapping[str, Any] | None = None) -> Any:
             qk_rope_head_dim=8,
             qk_nope_head_dim=16,
             v_head_dim=16,
-            max_position_embeddings=1024,
+            # Room for the shipped corpus's long prompts (up to 1,400 of these tokens).
+            max_position_embeddings=2048,
             tie_word_embeddings=False,
             bos_token_id=0,
             eos_token_id=1,

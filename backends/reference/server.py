@@ -33,6 +33,7 @@ from kdctl import __version__
 from kdctl.backends._types import GenerateRequest, GenerateResult
 from kdctl.backends.reference import require_extra
 from kdctl.backends.reference.engine import ReferenceEngine, final
+from kdctl.backends.reference.speculative import SpeculativeEngine
 from kdctl.errors import InputError
 
 VERSION = f"kdctl-reference {__version__}"
@@ -42,11 +43,21 @@ HEALTH_WAIT_S = 3.0
 
 
 class _State:
-    def __init__(self, model_dir: Path, served_name: str, device: str, dtype: str) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        device: str,
+        dtype: str,
+        draft: Path | None = None,
+        draft_tokens: int = 4,
+    ) -> None:
         self.model_dir = model_dir
         self.served_name = served_name
         self.device = device
         self.dtype = dtype
+        self.draft = draft
+        self.draft_tokens = draft_tokens
         self.engine: ReferenceEngine | None = None
         self.load_error: str | None = None
         # SGLang's own metric names, so a dashboard or gate reads both engines alike.
@@ -79,7 +90,16 @@ class _State:
 
     def load(self, ready_line: str | None) -> None:
         try:
-            self.engine = ReferenceEngine(self.model_dir, device=self.device, dtype=self.dtype)
+            if self.draft is None:
+                self.engine = ReferenceEngine(self.model_dir, device=self.device, dtype=self.dtype)
+            else:
+                self.engine = SpeculativeEngine(
+                    self.model_dir,
+                    self.draft,
+                    draft_tokens=self.draft_tokens,
+                    device=self.device,
+                    dtype=self.dtype,
+                )
         except Exception as exc:  # reported on /health, the server keeps answering
             self.load_error = f"{type(exc).__name__}: {exc}"
             print(
@@ -102,13 +122,15 @@ def create_app(
     dtype: str = "float32",
     load_delay_s: float = 0.0,
     ready_line: str | None = None,
+    draft: Path | None = None,
+    draft_tokens: int = 4,
 ) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    state = _State(model_dir, served_name or str(model_dir), device, dtype)
+    state = _State(model_dir, served_name or str(model_dir), device, dtype, draft, draft_tokens)
 
     def _load() -> None:
         time.sleep(load_delay_s)
@@ -192,6 +214,10 @@ def create_app(
                 "dtype": dtype,
                 "quantization": _quantization(model_dir),
                 "version": VERSION,
+                # SGLang's names for a separate draft model's speculative decoding.
+                "speculative_algorithm": "STANDALONE" if draft else None,
+                "speculative_draft_model_path": str(draft) if draft else None,
+                "speculative_num_draft_tokens": draft_tokens if draft else None,
                 "internal_states": [{}],
             }
         )
@@ -235,6 +261,8 @@ def create_app(
             }
             if done:
                 meta["e2e_latency"] = time.perf_counter() - started
+            if result.spec_verify_ct is not None:
+                meta["spec_verify_ct"] = result.spec_verify_ct
             if want_lp:
                 meta["output_token_logprobs"] = [
                     [t.logprob, t.token_id, None] for t in result.logprobs
@@ -526,6 +554,8 @@ def serve(
     api_key_env: str | None,
     device: str,
     dtype: str,
+    draft: Path | None = None,
+    draft_tokens: int = 4,
 ) -> None:
     require_extra()
     import uvicorn
@@ -535,6 +565,10 @@ def serve(
         raise InputError(f"--api-key-env: environment variable {api_key_env} is not set")
     if not (model_dir / "config.json").is_file():
         raise InputError(f"--model: {model_dir} is not a model folder (no config.json)")
+    if draft is not None and not (draft / "config.json").is_file():
+        raise InputError(f"--draft-model: {draft} is not a model folder (no config.json)")
+    if draft_tokens < 1:
+        raise InputError(f"--draft-tokens: must be at least 1, not {draft_tokens}")
     app = create_app(
         model_dir,
         served_name=served_name,
@@ -542,5 +576,7 @@ def serve(
         device=device,
         dtype=dtype,
         ready_line=f"kdctl reference server: ready: http://{host}:{port}",
+        draft=draft,
+        draft_tokens=draft_tokens,
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -298,7 +298,12 @@ class ThroughputWorkload(_Model):
     burstiness: Annotated[float, Field(gt=0)] = 1.0
     # Excluded from the figures; unset means one per concurrency slot.
     warmup_requests: Annotated[int, Field(ge=0)] | None = None
-    # A JSONL prompt file (as the exactness corpus); unset draws random token ids, no download.
+    # What the prompts are. random-ids: token ids drawn from the seed (no download). text:
+    # `prompts`, else the shipped corpus of chat, code, math and long prompts. auto: `prompts`
+    # if set, else random ids unless the candidate or the baseline decodes speculatively (asked
+    # of the engine itself), whose speed depends on the text it drafts on: then text.
+    source: Literal["auto", "random-ids", "text"] = "auto"
+    # A JSONL prompt file (as the exactness corpus).
     prompts: Path | None = None
     # Random token ids are drawn from [low, high): keep it inside the model's vocabulary.
     token_range: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)]] = (10, 1000)
@@ -309,6 +314,8 @@ class ThroughputWorkload(_Model):
     def _range(self) -> ThroughputWorkload:
         if self.token_range[0] >= self.token_range[1]:
             raise ValueError("token_range must be [low, high) with low < high")
+        if self.source == "random-ids" and self.prompts is not None:
+            raise ValueError("prompts is set, but source is random-ids: drop one")
         return self
 
 

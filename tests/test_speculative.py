@@ -1,0 +1,172 @@
+"""Speculative decoding measured as such: the reference engine drafting with a one-layer model
+of the same tokenizer and verifying with the target, against the plain engine on the same
+weights; and the throughput gate choosing its workload by what the engines answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kdctl.backends import GenerateRequest, make_backend
+from kdctl.inventory import BackendSpec
+from tests.conftest import Served, kdctl, need_module, serve_reference, write_inventory
+
+need_module("torch", "reference")
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Config:\n    def __init__(self",
+    "Explain what a KV cache is.",
+]
+
+
+@pytest.fixture(scope="module")
+def speculative(models: dict[str, Path]) -> Iterator[Served]:
+    served = serve_reference(models["dsv3"], draft=models["dsv3-draft"])
+    yield served
+    served.proc.terminate()
+    served.proc.wait(10)
+
+
+def _generate(url: str, prompt: str, *, stream: bool) -> list[dict[str, Any]]:
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "stream": stream,
+    }
+    if not stream:
+        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return [r.json()]
+    events = []
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                events.append(json.loads(line[5:]))
+    return events
+
+
+def test_speculative_output_is_the_targets_own_and_its_acceptance_is_measured(
+    reference_server: Served, speculative: Served, report: Any
+) -> None:
+    tokens = steps = 0
+    for prompt in PROMPTS:
+        (plain,) = _generate(reference_server.url, prompt, stream=False)
+        (spec,) = _generate(speculative.url, prompt, stream=False)
+        assert spec["output_ids"] == plain["output_ids"], prompt
+        pairs = zip(
+            plain["meta_info"]["output_token_logprobs"],
+            spec["meta_info"]["output_token_logprobs"],
+            strict=True,
+        )
+        assert all(abs(a[0] - b[0]) < 1e-4 for a, b in pairs), prompt
+        assert "spec_verify_ct" not in plain["meta_info"]
+        verified = spec["meta_info"]["spec_verify_ct"]
+        assert 1 <= verified < spec["meta_info"]["completion_tokens"], spec["meta_info"]
+        tokens += spec["meta_info"]["completion_tokens"]
+        steps += verified
+
+        # Streamed, a verification pass that accepts several tokens sends them in one event.
+        events = _generate(speculative.url, prompt, stream=True)
+        counts = [e["meta_info"]["completion_tokens"] for e in events]
+        assert events[-1]["output_ids"] == plain["output_ids"]
+        assert max(b - a for a, b in pairwise(counts)) > 1, counts
+        assert events[-1]["meta_info"]["spec_verify_ct"] == verified
+
+    # The client reads the count as SGLang reports it.
+    be = make_backend(
+        "spec",
+        BackendSpec.model_validate({"kind": "native", "host": "local", "url": speculative.url}),
+    )
+    result = be.generate(GenerateRequest(text=PROMPTS[0], max_new_tokens=24, temperature=0))
+    assert result.spec_verify_ct is not None and result.spec_verify_ct < result.completion_tokens
+    report(
+        f"speculative reference engine, draft of 4: {tokens / steps:.2f} tokens per verification"
+    )
+
+
+def _inventory(tmp_path: Path, baseline: Served, candidate: Served, **workload: Any) -> Path:
+    return write_inventory(
+        tmp_path / "inventory.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "baseline": {"kind": "sglang", "host": "local", "url": baseline.url},
+                "candidate": {
+                    "kind": "native",
+                    "mode": "http",
+                    "host": "local",
+                    "url": candidate.url,
+                },
+            },
+            "gates": {
+                "throughput": {
+                    "workload": {
+                        "output_len": 12,
+                        "concurrency": [2],
+                        "num_prompts": 6,
+                        **workload,
+                    },
+                    "min_ratio": 0.05,
+                }
+            },
+            "state_dir": "state",
+        },
+    )
+
+
+def _gate(inv: Path) -> dict[str, Any]:
+    run = kdctl(
+        "gate",
+        "run",
+        "throughput",
+        "-b",
+        "candidate",
+        "--baseline",
+        "baseline",
+        "-i",
+        str(inv),
+        "--json",
+    )
+    assert run.out, run.err
+    (result,) = json.loads(run.out)["results"]
+    return dict(result)
+
+
+def test_a_speculative_candidate_is_measured_on_text_and_random_ids_are_inconclusive(
+    tmp_path: Path, reference_server: Served, twin_server: Served, speculative: Served
+) -> None:
+    inv = _inventory(tmp_path, reference_server, speculative)
+    # Recorded before the candidate is asked anything: on random ids and on the text corpus.
+    rec = kdctl("baseline", "record", "-b", "baseline", "--only", "throughput", "-i", str(inv))
+    assert rec.code == 0, rec.err
+    assert rec.out.count("recorded throughput baseline") == 2, rec.out
+
+    result = _gate(inv)
+    assert result["verdict"] == "pass", result["reasons"]
+    assert "shipped text corpus mixed.jsonl" in result["reasons"][0]
+    assert "candidate decodes speculatively" in result["reasons"][0]
+    assert "run recorded" in result["reasons"][1]
+    metrics = {m["name"]: m["value"] for m in result["metrics"]}
+    assert metrics["c2.spec_accept_length"] > 1.0, metrics
+    assert metrics["c2.ratio"] >= 0.05
+
+    # The same engines on random token ids: the figures are kept, the speed is not judged.
+    rand = _gate(_inventory(tmp_path, reference_server, speculative, source="random-ids"))
+    assert rand["verdict"] == "inconclusive", rand["reasons"]
+    why = " ".join(rand["reasons"])
+    assert "candidate decode speculatively, and the workload is random token ids" in why
+    assert any(m["name"] == "c2.spec_accept_length" for m in rand["metrics"])
+
+    # Two plain engines keep the random-id workload: nothing drafts, nothing to switch for.
+    plain = _gate(_inventory(tmp_path, reference_server, twin_server))
+    assert not any("text corpus" in r for r in plain["reasons"]), plain["reasons"]
+    assert not any(m["name"].endswith("spec_accept_length") for m in plain["metrics"])

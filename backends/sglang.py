@@ -148,11 +148,18 @@ class SGLangBackend(HttpBackend):
 
 
 class _CumulativeReader:
-    """SGLang streams cumulative text and output_ids; chunks carry only what is new."""
+    """SGLang's stream events, as each release sends them, to chunks of only what is new.
+
+    Text is cumulative in every release's default; output_ids are absent (0.4.x), only the new
+    ids (0.5.1 to 0.5.5, and with --incremental-streaming-output) or cumulative (0.5.6 on).
+    Incremental text comes only with incremental ids (--incremental-streaming-output), so only
+    then is the text asked whether it still extends what came before; once it does not, the
+    stream is read as incremental to its end."""
 
     def __init__(self) -> None:
         self.seen_ids = 0
         self.seen_text = ""
+        self.incremental_text = False
 
     def read(self, at: float, data: Any) -> StreamChunk:
         if not isinstance(data, dict):
@@ -162,14 +169,14 @@ class _CumulativeReader:
         meta = data.get("meta_info") or {}
         finish = meta.get("finish_reason")
         done = meta.get("completion_tokens")
-        # Cumulative by default; with --incremental-streaming-output each event carries
-        # only its own tokens, which the running count tells apart.
-        incremental = isinstance(done, int) and self.seen_ids > 0 and done > len(ids)
-        new_ids = list(ids) if incremental else list(ids[self.seen_ids :])
-        fresh = incremental or not text.startswith(self.seen_text)
-        new_text = text if fresh else text[len(self.seen_text) :]
+        # Incremental ids fall behind the running count, which cumulative ones keep up with.
+        new_only = isinstance(done, int) and self.seen_ids > 0 and done > len(ids)
+        new_ids = list(ids) if new_only else list(ids[self.seen_ids :])
+        if new_only and not text.startswith(self.seen_text):
+            self.incremental_text = True
+        new_text = text if self.incremental_text else text[len(self.seen_text) :]
         self.seen_ids += len(new_ids)
-        self.seen_text = self.seen_text + text if incremental else text
+        self.seen_text = self.seen_text + text if self.incremental_text else text
         return StreamChunk(
             received_at=at,
             output_ids=new_ids,

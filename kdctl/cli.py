@@ -744,6 +744,14 @@ def reference_serve(
     draft_tokens: Annotated[
         int, typer.Option("--draft-tokens", min=1, help="Tokens drafted per verification.")
     ] = 4,
+    sglang_version: Annotated[
+        str | None,
+        typer.Option(
+            "--sglang-version",
+            help="Answer in this SGLang release's shape (0.4.3, 0.4.10, 0.5.1, 0.5.6, 0.5.23, "
+            "0.5.23-incremental; unset, 0.5.6).",
+        ),
+    ] = None,
 ) -> None:
     """Serve a reference model behind SGLang's HTTP API (503 until it is loaded)."""
     from kdctl.backends.reference.server import serve
@@ -758,6 +766,7 @@ def reference_serve(
         dtype=dtype,
         draft=draft_model,
         draft_tokens=draft_tokens,
+        sglang_version=sglang_version,
     )
 
 

@@ -28,6 +28,7 @@ def serve_argv(
     api_key_env: str | None = None,
     draft: Path | str | None = None,
     draft_tokens: int | None = None,
+    sglang_version: str | None = None,
 ) -> list[str]:
     """The command line of `kdctl reference serve`: what a service, a test or a benchmark runs
     to put the reference model behind SGLang's API on loopback (decoding speculatively with a
@@ -38,6 +39,8 @@ def serve_argv(
         argv += ["--draft-model", str(draft)]
     if draft_tokens is not None:
         argv += ["--draft-tokens", str(draft_tokens)]
+    if sglang_version is not None:
+        argv += ["--sglang-version", sglang_version]
     if served_name:
         argv += ["--served-model-name", served_name]
     if api_key_env:

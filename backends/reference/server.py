@@ -33,6 +33,7 @@ from kdctl import __version__
 from kdctl.backends._types import GenerateRequest, GenerateResult
 from kdctl.backends.reference import require_extra
 from kdctl.backends.reference.engine import ReferenceEngine, final
+from kdctl.backends.reference.shapes import DEFAULT_VERSION, SHAPES
 from kdctl.backends.reference.speculative import SpeculativeEngine
 from kdctl.errors import InputError
 
@@ -124,6 +125,7 @@ def create_app(
     ready_line: str | None = None,
     draft: Path | None = None,
     draft_tokens: int = 4,
+    sglang_version: str = DEFAULT_VERSION,
 ) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -131,6 +133,7 @@ def create_app(
     from starlette.routing import Route
 
     state = _State(model_dir, served_name or str(model_dir), device, dtype, draft, draft_tokens)
+    shape = SHAPES[sglang_version]
 
     def _load() -> None:
         time.sleep(load_delay_s)
@@ -140,7 +143,8 @@ def create_app(
 
     def error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
         return JSONResponse(
-            {"object": "error", "message": message, "type": kind, "code": status}, status
+            {"object": "error", "message": message, "type": kind, "param": None, "code": status},
+            status,
         )
 
     def engine_or_503() -> ReferenceEngine | JSONResponse:
@@ -179,6 +183,8 @@ def create_app(
         got = engine_or_503()
         if isinstance(got, JSONResponse):
             return got
+        if not shape.health_generates:
+            return Response(status_code=200)
         # Healthy means a generation could run now, not only that HTTP answers.
         if not await _in_thread(lambda: got.responsive(HEALTH_WAIT_S)):
             return error(503, "generation is stuck: no step could start", "ServiceUnavailable")
@@ -222,14 +228,26 @@ def create_app(
             }
         )
 
+    def schema_error(message: str) -> JSONResponse:
+        if shape.schema_error == "detail":
+            detail = [{"type": "value_error", "loc": ["body"], "msg": message, "input": None}]
+            return JSONResponse({"detail": detail}, 422)
+        if shape.schema_error == "text":
+            return JSONResponse({"error": message}, 400)
+        return error(400, message)
+
     async def generate(request: Request) -> Response:
-        data = await body(request)
-        if isinstance(data, JSONResponse):
-            return data
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return schema_error("the body is not JSON")
+        if not isinstance(data, dict):
+            return schema_error("the body must be a JSON object")
         got = engine_or_503()
         if isinstance(got, JSONResponse):
             return got
         sp = data.get("sampling_params") or {}
+        stream = bool(data.get("stream"))
         try:
             req = GenerateRequest(
                 text=data.get("text"),
@@ -244,14 +262,23 @@ def create_app(
                 ignore_eos=bool(sp.get("ignore_eos", False)),
                 top_logprobs=int(data.get("top_logprobs_num") or 0),
             )
+        except ValidationError as exc:
+            if any(e["type"].endswith(("_type", "_parsing")) for e in exc.errors()):
+                return schema_error(_message(exc))
+            return bad_input(_message(exc), stream)
+        except (TypeError, ValueError) as exc:
+            return schema_error(_message(exc))
+        try:
             _check(got, req)
-        except (ValidationError, InputError, TypeError, ValueError) as exc:
-            return error(400, _message(exc))
+        except InputError as exc:
+            return bad_input(str(exc), stream)
         rid = str(data.get("rid") or uuid.uuid4().hex)
         want_lp = bool(data.get("return_logprob"))
         started = time.perf_counter()
 
-        def native(result: GenerateResult, done: bool) -> dict[str, Any]:
+        sent = {"ids": 0, "text": 0}
+
+        def native(result: GenerateResult, done: bool, streamed: bool) -> dict[str, Any]:
             meta: dict[str, Any] = {
                 "id": rid,
                 "prompt_tokens": result.prompt_tokens,
@@ -263,6 +290,10 @@ def create_app(
                 meta["e2e_latency"] = time.perf_counter() - started
             if result.spec_verify_ct is not None:
                 meta["spec_verify_ct"] = result.spec_verify_ct
+            if shape.wo_jump_forward:
+                meta["completion_tokens_wo_jump_forward"] = result.completion_tokens
+            if shape.spec_always or result.spec_verify_ct:
+                meta.update(_accept(result, getattr(got, "draft_tokens", 0)))
             if want_lp:
                 meta["output_token_logprobs"] = [
                     [t.logprob, t.token_id, None] for t in result.logprobs
@@ -271,18 +302,39 @@ def create_app(
                     meta["output_top_logprobs"] = [
                         [[lp, tid, None] for tid, lp in t.top] for t in result.logprobs
                     ]
-            return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+            answer: dict[str, Any] = {"text": result.text}
+            if streamed and shape.incremental_text:
+                answer["text"] = result.text[sent["text"] :]
+                sent["text"] = len(result.text)
+            if shape.output_ids != "none":
+                answer["output_ids"] = result.output_ids
+                if streamed and shape.output_ids == "new":
+                    answer["output_ids"] = result.output_ids[sent["ids"] :]
+                    sent["ids"] = len(result.output_ids)
+            answer["meta_info"] = meta
+            return answer
 
-        if data.get("stream"):
+        if stream:
 
             def events() -> Iterator[str]:
                 for result, done in run(got, req):
-                    yield f"data: {json.dumps(native(result, done))}\n\n"
+                    yield f"data: {json.dumps(native(result, done, True))}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(_closing(events()), media_type="text/event-stream")
         last = await _in_thread(lambda: final(run(got, req)))
-        return JSONResponse(native(last, True))
+        return JSONResponse(native(last, True, False))
+
+    def bad_input(message: str, stream: bool) -> Response:
+        """What SGLang answers to a request it cannot serve (a prompt over the context, bad
+        sampling values): 400, or in a stream that has begun, an error event and [DONE]."""
+        if not stream:
+            return JSONResponse({"error": {"message": message}}, 400)
+        err: dict[str, Any] = {"message": message}
+        if shape.rich_stream_error:
+            err.update(type="BadRequestError", code=400, retryable=False)
+        events = f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n"
+        return Response(events, 200, media_type="text/event-stream")
 
     async def models(request: Request) -> Response:
         ctx = state.engine.context_length if state.engine else None
@@ -424,10 +476,16 @@ def create_app(
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health, methods=["GET"]),
-        Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
-        Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        *(
+            [
+                Route("/model_info", model_info, methods=["GET"]),
+                Route("/server_info", server_info, methods=["GET"]),
+            ]
+            if shape.info_routes
+            else []
+        ),
         Route("/generate", generate, methods=["POST", "PUT"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -495,6 +553,20 @@ def _check(engine: ReferenceEngine, req: GenerateRequest) -> None:
         )
 
 
+def _accept(result: GenerateResult, draft_tokens: int) -> dict[str, float]:
+    """SGLang's accept figures: tokens per verification, and the share of drafted tokens the
+    target kept (each verification adds one token of its own; the prefill made the first)."""
+    verified = result.spec_verify_ct or 0
+    if not verified:
+        return {"spec_accept_length": 0.0, "spec_accept_rate": 0.0}
+    accepted = max(result.completion_tokens - verified - 1, 0)
+    rate = accepted / (verified * draft_tokens) if draft_tokens else 0.0
+    return {
+        "spec_accept_length": result.completion_tokens / verified,
+        "spec_accept_rate": round(rate, 4),
+    }
+
+
 def _finish(result: GenerateResult) -> dict[str, Any]:
     if result.finish_reason == "length":
         return {"type": "length", "length": result.completion_tokens}
@@ -556,8 +628,10 @@ def serve(
     dtype: str,
     draft: Path | None = None,
     draft_tokens: int = 4,
+    sglang_version: str | None = None,
 ) -> None:
     require_extra()
+    sglang_version = sglang_version or DEFAULT_VERSION
     import uvicorn
 
     api_key = os.environ.get(api_key_env) if api_key_env else None
@@ -567,6 +641,9 @@ def serve(
         raise InputError(f"--model: {model_dir} is not a model folder (no config.json)")
     if draft is not None and not (draft / "config.json").is_file():
         raise InputError(f"--draft-model: {draft} is not a model folder (no config.json)")
+    if sglang_version not in SHAPES:
+        known = ", ".join(SHAPES)
+        raise InputError(f"--sglang-version: {sglang_version!r} is not one of {known}")
     if draft_tokens < 1:
         raise InputError(f"--draft-tokens: must be at least 1, not {draft_tokens}")
     app = create_app(
@@ -578,5 +655,6 @@ def serve(
         ready_line=f"kdctl reference server: ready: http://{host}:{port}",
         draft=draft,
         draft_tokens=draft_tokens,
+        sglang_version=sglang_version,
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

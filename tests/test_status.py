@@ -248,6 +248,12 @@ def test_one_ssh_connection_per_host_per_command(
     read over SSH, behind a router on one of them: the status probes, the router's read-back,
     the engines' identities and the evidence binding share one connection a host."""
     names = [f"h{i:02d}" for i in range(16)]
+    # One port each: a port just freed can be handed out again, and two engines on one URL
+    # are refused by the inventory.
+    ports: set[int] = set()
+    while len(ports) < len(names):
+        ports.add(free_port())
+    port_of = dict(zip(names, sorted(ports), strict=True))
     sshds = sorted(fleet.hosts)
     inv = write_inventory(
         tmp_path / "inv.yaml",
@@ -257,7 +263,7 @@ def test_one_ssh_connection_per_host_per_command(
                 f"engine-{n}": {
                     "kind": "sglang",
                     "host": n,
-                    "url": f"http://127.0.0.1:{free_port()}",
+                    "url": f"http://127.0.0.1:{port_of[n]}",
                     "model": "/srv/models/tiny",
                     "service": {
                         "command": "sleep 300",

@@ -157,8 +157,9 @@ def test_throughput_records_a_run_on_vllm_and_judges_a_second_one(
                         "concurrency": [4],
                         "num_prompts": 12,
                     },
-                    # The same server twice: only this machine's noise can part the two runs.
-                    "min_ratio": 0.5,
+                    # The same server twice: only this machine's noise can part the two runs,
+                    # and with two other test workers on two cores it read 0.42 once.
+                    "min_ratio": 0.2,
                 }
             },
             "state_dir": "state",
@@ -174,7 +175,7 @@ def test_throughput_records_a_run_on_vllm_and_judges_a_second_one(
     assert run.code == 0 and result["verdict"] == "pass", result["reasons"]
     assert "run recorded" in result["reasons"][0]
     ratio = {m["name"]: m for m in result["metrics"]}["c4.ratio"]
-    assert ratio["threshold"] == 0.5 and ratio["value"] >= 0.5
+    assert ratio["threshold"] == 0.2 and ratio["value"] >= 0.2
     (point,) = result["details"]["points"]
     # vLLM's usage and the streamed chunks agree: 12 requests of 8 tokens, ignore_eos.
     assert point["completed"] == 12 and point["failed"] == 0

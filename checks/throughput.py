@@ -87,10 +87,14 @@ def build_requests(
     return requests, workload
 
 
-def speculating(ctx: GateContext, names: list[str]) -> list[str]:
-    """Which of these engines decode speculatively, asked of each: one short greedy request,
-    and whether its answer counts verification passes. One that does not answer is not
-    counted; the measurement will say why it failed."""
+def speculating(ctx: GateContext, settings: ThroughputSettings, names: list[str]) -> list[str]:
+    """Under `source: auto` with no prompt file, which of these engines decode speculatively,
+    so that the workload becomes text; asked of each: one short greedy request, and whether its
+    answer counts verification passes. One that does not answer is not counted; the
+    measurement will say why it failed."""
+    w = settings.workload
+    if w.source != "auto" or w.prompts is not None:
+        return []
     found = []
     for name in names:
         try:
@@ -100,15 +104,6 @@ def speculating(ctx: GateContext, names: list[str]) -> list[str]:
         except KdctlError:
             continue
     return found
-
-
-def text_chosen(ctx: GateContext, settings: ThroughputSettings, names: list[str]) -> list[str]:
-    """Under `source: auto` with no prompt file, the engines among `names` that decode
-    speculatively, for whom the workload becomes text; empty otherwise."""
-    w = settings.workload
-    if w.source != "auto" or w.prompts is not None:
-        return []
-    return speculating(ctx, names)
 
 
 def measure(
@@ -201,7 +196,7 @@ class ThroughputGate(Gate):
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
         started = utcnow()
         settings = ctx.inventory.spec.gates.throughput
-        drafting = text_chosen(ctx, settings, [n for n in (backend, baseline) if n])
+        drafting = speculating(ctx, settings, [n for n in (backend, baseline) if n])
         requests, workload = build_requests(ctx, settings, text=bool(drafting) or None)
         random_ids = requests[0].input_ids is not None
         info = None

@@ -15,7 +15,15 @@ import pytest
 
 from kdctl.backends import GenerateRequest, make_backend
 from kdctl.inventory import BackendSpec
-from tests.conftest import Served, kdctl, need_module, serve_reference, write_inventory
+from tests.conftest import (
+    Served,
+    engine_pair,
+    kdctl,
+    need_module,
+    serve_reference,
+    write_inventory,
+)
+from tests.test_throughput import gate
 
 need_module("torch", "reference")
 
@@ -98,15 +106,7 @@ def _inventory(tmp_path: Path, baseline: Served, candidate: Served, **workload: 
         tmp_path / "inventory.yaml",
         {
             "hosts": {"local": {"transport": "local"}},
-            "backends": {
-                "baseline": {"kind": "sglang", "host": "local", "url": baseline.url},
-                "candidate": {
-                    "kind": "native",
-                    "mode": "http",
-                    "host": "local",
-                    "url": candidate.url,
-                },
-            },
+            "backends": engine_pair(baseline.url, candidate.url),
             "gates": {
                 "throughput": {
                     "workload": {
@@ -124,21 +124,7 @@ def _inventory(tmp_path: Path, baseline: Served, candidate: Served, **workload: 
 
 
 def _gate(inv: Path) -> dict[str, Any]:
-    run = kdctl(
-        "gate",
-        "run",
-        "throughput",
-        "-b",
-        "candidate",
-        "--baseline",
-        "baseline",
-        "-i",
-        str(inv),
-        "--json",
-    )
-    assert run.out, run.err
-    (result,) = json.loads(run.out)["results"]
-    return dict(result)
+    return gate(inv, "candidate", "--baseline", "baseline")[1]
 
 
 def test_a_speculative_candidate_is_measured_on_text_and_random_ids_are_inconclusive(

@@ -42,14 +42,9 @@ def run_contract(
         print(f"{request}: not a valid request file: {exc}", file=sys.stderr)
         return EXIT_BAD_REQUEST
     try:
-        from kdctl.backends.reference.engine import ReferenceEngine
-        from kdctl.backends.reference.speculative import SpeculativeEngine
+        from kdctl.backends.reference.speculative import open_engine
 
-        engine = (
-            ReferenceEngine(model_dir)
-            if draft is None
-            else SpeculativeEngine(model_dir, draft, draft_tokens=draft_tokens)
-        )
+        engine = open_engine(model_dir, draft, draft_tokens=draft_tokens)
     except Exception as exc:
         print(f"cannot load {model_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ENGINE_FAILURE

@@ -34,7 +34,7 @@ from kdctl.backends._types import GenerateRequest, GenerateResult
 from kdctl.backends.reference import require_extra
 from kdctl.backends.reference.engine import ReferenceEngine, final
 from kdctl.backends.reference.shapes import DEFAULT_VERSION, SHAPES
-from kdctl.backends.reference.speculative import SpeculativeEngine
+from kdctl.backends.reference.speculative import open_engine
 from kdctl.errors import InputError
 
 VERSION = f"kdctl-reference {__version__}"
@@ -91,16 +91,13 @@ class _State:
 
     def load(self, ready_line: str | None) -> None:
         try:
-            if self.draft is None:
-                self.engine = ReferenceEngine(self.model_dir, device=self.device, dtype=self.dtype)
-            else:
-                self.engine = SpeculativeEngine(
-                    self.model_dir,
-                    self.draft,
-                    draft_tokens=self.draft_tokens,
-                    device=self.device,
-                    dtype=self.dtype,
-                )
+            self.engine = open_engine(
+                self.model_dir,
+                self.draft,
+                draft_tokens=self.draft_tokens,
+                device=self.device,
+                dtype=self.dtype,
+            )
         except Exception as exc:  # reported on /health, the server keeps answering
             self.load_error = f"{type(exc).__name__}: {exc}"
             print(
@@ -644,8 +641,6 @@ def serve(
     if sglang_version not in SHAPES:
         known = ", ".join(SHAPES)
         raise InputError(f"--sglang-version: {sglang_version!r} is not one of {known}")
-    if draft_tokens < 1:
-        raise InputError(f"--draft-tokens: must be at least 1, not {draft_tokens}")
     app = create_app(
         model_dir,
         served_name=served_name,

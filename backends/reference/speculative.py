@@ -22,6 +22,22 @@ from kdctl.backends.reference.engine import ReferenceEngine, token_logprob
 from kdctl.errors import InputError
 
 
+def open_engine(
+    model_dir: Path,
+    draft: Path | None = None,
+    *,
+    draft_tokens: int = 4,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> ReferenceEngine:
+    """The reference engine on `model_dir`, decoding speculatively when given a `draft`."""
+    if draft is None:
+        return ReferenceEngine(model_dir, device=device, dtype=dtype)
+    return SpeculativeEngine(
+        model_dir, draft, draft_tokens=draft_tokens, device=device, dtype=dtype
+    )
+
+
 class SpeculativeEngine(ReferenceEngine):
     def __init__(
         self,

@@ -196,7 +196,8 @@ def kdctl_run(url: str, prompts: int, prompt_file: Path, work: Path, n: int) -> 
     settings = spec.gates.throughput
     requests, _ = build_requests(ctx, settings)
     with ctx.backend("vllm") as be:
-        (m,) = measure(ctx, be, settings, requests)
+        ((runs,),) = measure(ctx, [be], settings, requests)
+    m = runs.median
     if m.ttft_ms.p50 is None or m.itl_ms.p50 is None:
         raise SystemExit(f"kdctl's run measured nothing: {m.errors}")
     return Run(

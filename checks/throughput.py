@@ -2,13 +2,15 @@
 the same workload (the same workload hash) as a ratio, plus absolute latency SLOs.
 
 The baseline's run is normally recorded earlier (`kdctl baseline record`), because on one 8-GPU
-box the two engines cannot serve at once; where the baseline is up and has no recorded run, it
-is measured live, before the candidate.
+box the two engines cannot serve at once; where the baseline is up and has no recorded run, or
+`baseline_run: interleaved` asks for it (engines sharing one machine), it is measured now, the two
+engines taking turns run by run. With `repeats`, each engine's median run is judged.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from kdctl.backends import Backend, GenerateRequest, HttpBackend
@@ -107,19 +109,27 @@ def speculating(ctx: GateContext, settings: ThroughputSettings, names: list[str]
 
 
 def measure(
-    ctx: GateContext, be: Backend, settings: ThroughputSettings, requests: list[GenerateRequest]
-) -> list[BenchMetrics]:
-    """One load run per concurrency of the workload, in order."""
-    if not isinstance(be, HttpBackend):
-        raise InputError(
-            f"backend {be.name}: the throughput gate needs a served engine with a streaming HTTP "
-            f"API; kind {be.kind} in this mode has none"
-        )
+    ctx: GateContext,
+    sides: Sequence[Backend],
+    settings: ThroughputSettings,
+    requests: list[GenerateRequest],
+) -> list[list[Runs]]:
+    """For each engine in `sides`, in order, its runs at every concurrency of the workload:
+    `repeats` load runs each, the engines taking turns run by run so that a noisy machine
+    weighs on all of them alike."""
+    served: list[HttpBackend] = []
+    for be in sides:
+        if not isinstance(be, HttpBackend):
+            raise InputError(
+                f"backend {be.name}: the throughput gate needs a served engine with a streaming "
+                f"HTTP API; kind {be.kind} in this mode has none"
+            )
+        served.append(be)
     w = settings.workload
     slo = SLO(
         ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms, e2el_ms=settings.slo_e2el_ms
     )
-    points = []
+    out: list[list[Runs]] = [[] for _ in served]
     for conc in w.concurrency:
         plan = LoadPlan(
             max_concurrency=conc,
@@ -132,10 +142,34 @@ def measure(
             slo=slo,
             output_len=w.output_len if w.ignore_eos else None,
         )
-        what = f"throughput {be.name} at concurrency {conc}"
-        ctx.report(what, 0, len(requests))
-        points.append(run_load(be, requests, plan, on_progress=_reporter(ctx, what)))
-    return points
+        runs: list[list[BenchMetrics]] = [[] for _ in served]
+        for repeat in range(settings.repeats):
+            for be, done in zip(served, runs, strict=True):
+                what = f"throughput {be.name} at concurrency {conc}"
+                if settings.repeats > 1:
+                    what += f", run {repeat + 1} of {settings.repeats}"
+                ctx.report(what, 0, len(requests))
+                done.append(run_load(be, requests, plan, on_progress=_reporter(ctx, what)))
+        for side, done in zip(out, runs, strict=True):
+            side.append(Runs(done))
+    return out
+
+
+class Runs:
+    """One engine's load runs at one concurrency; `median`, a run as it was measured (never a
+    blend of several), is the one judged and recorded."""
+
+    def __init__(self, runs: list[BenchMetrics]) -> None:
+        self.runs = runs
+        ranked = sorted(runs, key=lambda r: r.output_throughput)
+        self.median = ranked[(len(ranked) - 1) // 2]
+
+    def spread(self) -> str:
+        """What the median was taken from, for a reason line; empty for a single run."""
+        if len(self.runs) < 2:
+            return ""
+        figures = ", ".join(f"{r.output_throughput:.1f}" for r in self.runs)
+        return f"median of {len(self.runs)} runs ({figures} tok/s)"
 
 
 def _reporter(ctx: GateContext, what: str) -> Progress:
@@ -164,7 +198,8 @@ def _record_one(
     requests, workload = build_requests(ctx, settings, text=text)
     with ctx.backend(backend) as be:
         info = be.info()
-        points = measure(ctx, be, settings, requests)
+        (runs,) = measure(ctx, [be], settings, requests)
+    points = [r.median for r in runs]
     # A baseline with failed requests would hold every later candidate to a figure that was
     # not measured (0 tok/s is passed by anything); the same allowance as the gate's.
     failed = [
@@ -183,7 +218,10 @@ def _record_one(
         kind="throughput",
         workload_hash=workload,
         provenance=provenance_of(ctx, backend, info, workload),
-        payload={"points": [p.model_dump(mode="json") for p in points]},
+        payload={
+            "points": [p.model_dump(mode="json") for p in points],
+            "repeats": settings.repeats,
+        },
     )
 
 
@@ -202,28 +240,44 @@ class ThroughputGate(Gate):
         info = None
         source = ""
         base_points: list[BenchMetrics] | None = None
+        base_runs: list[Runs] = []
         try:
-            if baseline is not None:
+            recorded = None
+            if baseline is not None and settings.baseline_run == "recorded":
                 recorded = ctx.baseline_lookup(baseline, "throughput", workload)
-                if recorded is not None:
-                    base_points = [
-                        BenchMetrics.model_validate(p) for p in recorded.payload["points"]
-                    ]
-                    source = f"{baseline}'s run recorded {recorded.created_at:%Y-%m-%d %H:%M}Z"
-                else:
-                    with ctx.backend(baseline) as base_be:
-                        base_points = measure(ctx, base_be, settings, requests)
-                    source = f"{baseline} measured live now"
+            if baseline is not None and recorded is not None:
+                base_points = [BenchMetrics.model_validate(p) for p in recorded.payload["points"]]
+                source = f"{baseline}'s run recorded {recorded.created_at:%Y-%m-%d %H:%M}Z"
             with ctx.backend(backend) as be:
                 info = be.info()
-                points = measure(ctx, be, settings, requests)
+                if baseline is None or base_points is not None:
+                    (runs,) = measure(ctx, [be], settings, requests)
+                else:
+                    with ctx.backend(baseline) as base_be:
+                        base_runs, runs = measure(ctx, [base_be, be], settings, requests)
+                    base_points = [r.median for r in base_runs]
+                    why = (
+                        "as gates.throughput.baseline_run asks"
+                        if settings.baseline_run == "interleaved"
+                        else "as it has no recorded run of this workload"
+                    )
+                    source = (
+                        f"{baseline} measured now, taking turns with {backend} run by run, {why}"
+                    )
         except KdctlError as exc:
             return self.errored(
                 ctx, backend, baseline, exc, info=info, workload=workload, started=started
             )
+        points = [r.median for r in runs]
         metrics, reasons, verdict = judge(
             settings, points, base_points, backend=backend, random_ids=random_ids
         )
+        if settings.repeats > 1:
+            for at, mine in enumerate(runs):
+                spreads = [f"{backend} {mine.spread()}"]
+                if base_runs:
+                    spreads.append(f"{baseline} {base_runs[at].spread()}")
+                reasons.append(f"concurrency {mine.median.max_concurrency}: {'; '.join(spreads)}")
         if source:
             reasons.insert(0, f"compared with {source}")
         if drafting:
@@ -247,6 +301,7 @@ class ThroughputGate(Gate):
             details={
                 "points": [p.model_dump(mode="json") for p in points],
                 "baseline_points": [p.model_dump(mode="json") for p in base_points or []],
+                "repeats": settings.repeats,
             },
         )
 

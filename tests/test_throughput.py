@@ -114,10 +114,54 @@ def test_nothing_to_compare_with_is_inconclusive_not_pass(inventory: Any) -> Non
 def test_a_live_baseline_when_none_is_recorded_and_a_down_candidate(inventory: Any) -> None:
     inv = inventory(min_ratio=0.25)
     code, result = gate(inv, "candidate", "--baseline", "baseline")
-    assert code == 0 and "baseline measured live now" in result["reasons"][0]
+    assert code == 0 and "baseline measured now, taking turns" in result["reasons"][0]
     code, result = gate(inv, "down", "--baseline", "baseline")
     assert code == 3 and result["verdict"] == "error"
     assert "connection refused" in result["reasons"][0]
+
+
+def test_interleaved_repeats_measure_both_engines_side_by_side(inventory: Any) -> None:
+    """baseline_run: interleaved measures the baseline now, though a run of it is recorded, the
+    two engines taking turns run by run; with repeats, each one's median run is judged."""
+    from kdctl.evidence import open_store
+    from kdctl.inventory import load_inventory
+    from kdctl.recording import run_gates
+
+    inv = inventory(min_ratio=0.25, repeats=3, baseline_run="recorded")
+    rec = kdctl("baseline", "record", "-b", "baseline", "--only", "throughput", "-i", str(inv))
+    assert rec.code == 0, rec.err
+    code, result = gate(inv, "candidate", "--baseline", "baseline")
+    assert code == 0 and "run recorded" in result["reasons"][0], result["reasons"]
+
+    inv = inventory(min_ratio=0.25, repeats=3, baseline_run="interleaved")
+    loaded = load_inventory(inv)
+    started: list[str] = []
+
+    def progress(what: str, done: int, total: int) -> None:
+        if done == 0:
+            started.append(what)
+
+    with open_store(loaded) as store:
+        (res,) = run_gates(loaded, store, "throughput", "candidate", "baseline", progress=progress)
+    assert res.verdict == "pass", res.reasons
+    assert "baseline measured now, taking turns" in res.reasons[0]
+    assert "baseline_run asks" in res.reasons[0]
+    assert started == [
+        f"throughput {who} at concurrency {c}, run {r} of 3"
+        for c in (1, 4)
+        for r in (1, 2, 3)
+        for who in ("baseline", "candidate")
+    ]
+    for at, c in enumerate((1, 4)):
+        (line,) = [r for r in res.reasons if r.startswith(f"concurrency {c}: candidate median")]
+        assert line.count("median of 3 runs") == 2, line
+        figures = [float(f) for f in line.split("(")[1].split(" tok/s")[0].split(", ")]
+        median = res.details["points"][at]["output_throughput"]
+        # The run judged is one that was measured, the middle one of the three.
+        assert sorted(figures)[1] == pytest.approx(median, abs=0.05)
+        base = res.details["baseline_points"][at]["output_throughput"]
+        ratio = {m.name: m.value for m in res.metrics}[f"c{c}.ratio"]
+        assert ratio == pytest.approx(median / base, rel=1e-3)
 
 
 def test_a_run_whose_every_request_failed_fails_whatever_the_allowance(inventory: Any) -> None:

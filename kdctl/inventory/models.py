@@ -333,6 +333,14 @@ class ThroughputSettings(_Model):
     client: Literal["aiohttp", "httpx"] = "aiohttp"
     # The longest one request may take, start to end (with httpx, the longest wait for a read).
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    # Load runs per concurrency and engine; the median run by output throughput is the one
+    # judged (and recorded), so one unlucky run on a noisy machine decides nothing.
+    repeats: Annotated[int, Field(ge=1)] = 1
+    # Where the baseline's figures come from. recorded: its recorded run of the same workload
+    # (`kdctl baseline record`), else measured now as under interleaved; the way for engines
+    # that cannot serve at once. interleaved: measured now, alternating with the candidate run
+    # by run, so both meet the same machine; the way for engines that share one.
+    baseline_run: Literal["recorded", "interleaved"] = "recorded"
 
 
 class ExactnessSettings(_Model):

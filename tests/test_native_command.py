@@ -53,6 +53,28 @@ def test_command_mode_matches_the_reference_engine(models: dict[str, Path], tmp_
     assert list(tmp_path.iterdir()) == []  # request and response files cleaned up
 
 
+def test_command_mode_decodes_speculatively_with_a_draft(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """`reference batch --draft-model`: the command contract's result carries spec_verify_ct,
+    counted by the engine, and the greedy output stays the target's own."""
+    from kdctl.backends.reference.engine import ReferenceEngine
+
+    argv = [sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(models["dsv3"])]
+    be = native(
+        [*argv, "--draft-model", str(models["dsv3-draft"]), "--draft-tokens", "3"], tmp_path
+    )
+    req = GenerateRequest(text="def fibonacci(n):", max_new_tokens=24, ignore_eos=True)
+    got = be.generate(req)  # type: ignore[attr-defined]
+    want = ReferenceEngine(models["dsv3"]).generate(req)
+    assert got.output_ids == want.output_ids
+    # Every verification adds one to four tokens (three drafted, one of the target's own); the
+    # first token comes from the prefill.
+    assert got.spec_verify_ct is not None
+    assert (len(got.output_ids) - 1) / 4 <= got.spec_verify_ct <= len(got.output_ids) - 1
+    assert native(argv, tmp_path).generate(req).spec_verify_ct is None  # type: ignore[attr-defined]
+
+
 def test_contract_breaches_are_named(tmp_path: Path) -> None:
     script = tmp_path / "engine.sh"
     script.write_text('#!/bin/sh\necho "{\\"contract\\": 1}" > "$4"\n')

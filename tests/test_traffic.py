@@ -67,6 +67,8 @@ class Load:
     must be 2xx and complete, every stream must end with its final chunk."""
 
     url: str
+    # The key the front requires, sent as clients send it (Authorization: Bearer).
+    api_key: str | None = None
     # A client as HTTP asks: a 503 with Retry-After (the front while engines swap) is asked
     # again, sooner than it says, until the deadline; not a lost request.
     retry_draining: bool = False
@@ -116,7 +118,8 @@ class Load:
         self.sent += 1
 
     def _loop(self, stream: bool) -> None:
-        with httpx.Client(timeout=30) as client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with httpx.Client(timeout=30, headers=headers) as client:
             i = 0
             deadline = time.monotonic() + 240  # bounded in time
             while not self._stop.is_set() and i < 2000 and time.monotonic() < deadline:
@@ -376,60 +379,83 @@ def test_candidate_killed_mid_canary_rolls_back(
     )
 
 
-@pytest.fixture
-def sglang_router(reference_server: Served) -> Iterator[str]:
+@dataclass
+class RouterUnderTest:
+    url: str
+    # The key the router requires of every client, where it was started with one.
+    key: str | None
+
+
+@pytest.fixture(params=[None, "router-secret-7f3a"], ids=["open", "api-key"])
+def sglang_router(
+    reference_server: Served, request: pytest.FixtureRequest
+) -> Iterator[RouterUnderTest]:
     need_sglang_router()
     port = free_port()
+    key: str | None = request.param
     proc = subprocess.Popen(
-        router_argv(port, [reference_server.url], prometheus_port=free_port()),
+        router_argv(port, [reference_server.url], prometheus_port=free_port(), api_key=key),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/readiness", deadline_s=60)
-        yield url
+        yield RouterUnderTest(url, key)
     finally:
         proc.terminate()
         proc.wait(10)
 
 
 def test_sglang_router_blue_green_and_rollback(
-    sglang_router: str, reference_server: Served, twin_server: Served, tmp_path: Path
+    sglang_router: RouterUnderTest, reference_server: Served, twin_server: Served, tmp_path: Path
 ) -> None:
-    host, port = sglang_router.removeprefix("http://").split(":")
+    """Against SGLang's router as it runs, open and with --api-key: with a key, kdctl's worker
+    API calls carry it from router.api_key_env, and without it kdctl says what is missing."""
+    router = sglang_router
+    host, port = router.url.removeprefix("http://").split(":")
     (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
-    inv = str(
-        write_inventory(
-            tmp_path / "inv.yaml",
-            {
-                "hosts": {"local": {"transport": "local"}},
-                "backends": engine_pair(reference_server.url, twin_server.url),
-                "router": {
-                    "kind": "sglang-router",
-                    "host": "local",
-                    "listen": f"{host}:{port}",
-                    "serving": "baseline",
-                },
-                "roadmap": "roadmap.yaml",
-                "state_dir": "state",
-            },
-        )
-    )
-    plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv)
+    spec: dict[str, Any] = {
+        "hosts": {"local": {"transport": "local"}},
+        "backends": engine_pair(reference_server.url, twin_server.url),
+        "router": {
+            "kind": "sglang-router",
+            "host": "local",
+            "listen": f"{host}:{port}",
+            "serving": "baseline",
+        },
+        "roadmap": "roadmap.yaml",
+        "state_dir": "state",
+    }
+    env = {}
+    if router.key:
+        keyless = str(write_inventory(tmp_path / "keyless.yaml", spec))
+        refused = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", keyless)
+        assert refused.code == 3, refused.out + refused.err
+        assert "GET /workers: HTTP 401: it wants an API key (router.api_key_env" in refused.err
+        spec["router"]["api_key_env"] = "KDCTL_TEST_ROUTER_KEY"
+        env = {"KDCTL_TEST_ROUTER_KEY": router.key}
+    inv = str(write_inventory(tmp_path / "inv.yaml", spec))
+    plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv, env=env)
     assert plan.code == 0 and "plan: blue-green" in plan.out and "has no weights" in plan.out
-    canary = kdctl("cutover", "--to", "candidate", "--strategy", "canary", "--dry-run", "-i", inv)
+    canary = kdctl(
+        "cutover", "--to", "candidate", "--strategy", "canary", "--dry-run", "-i", inv, env=env
+    )
     assert canary.code == 2 and "sglang-router has no traffic weights" in canary.err
-    with Load(sglang_router) as load:
-        run = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json")
+    with Load(router.url, api_key=router.key) as load:
+        run = kdctl(
+            "cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json", env=env
+        )
         assert run.code == 0, run.out + run.err
         assert json.loads(run.out)["router"]["weights"] == {"candidate": 100}
-        back = kdctl("rollback", "--yes", "-i", inv, "--json")
+        back = kdctl("rollback", "--yes", "-i", inv, "--json", env=env)
         assert back.code == 0, back.out + back.err
     assert json.loads(back.out)["router"]["weights"] == {"baseline": 100}
-    workers = httpx.get(sglang_router + "/workers").json()["workers"]
+    headers = {"Authorization": f"Bearer {router.key}"} if router.key else {}
+    workers = httpx.get(router.url + "/workers", headers=headers).json()["workers"]
     assert [w["url"] for w in workers] == [reference_server.url]
     assert load.sent > 10 and not load.failures, load.failures[:5]
+    assert router.key is None or router.key not in run.out + run.err + back.out + back.err
 
 
 def test_drain_answers_503_with_retry_after(front: dict[str, Any]) -> None:
@@ -526,3 +552,48 @@ def test_the_journal_and_its_lock_in_the_shared_store(
         assert latest is not None and latest.to_backend == "candidate"
         assert any(s.kind == "set-weights" for s in latest.steps)
     assert not (front["inv"].parent / "state" / "traffic.sqlite").exists()
+
+
+def test_a_ttft_slo_under_the_engines_first_bucket_is_left_to_the_probes(
+    reference_server: Served, tmp_path: Path
+) -> None:
+    """The reference server keeps SGLang's TTFT buckets (the first ends at 0.1 s). Over a
+    window of real requests its histogram reads a p99 near 100 ms, whatever the requests
+    took: a 50 ms SLO judged from it would breach on every window, so the canary leaves such an
+    SLO to its probes and says so; one the buckets can judge is judged from them."""
+    from kdctl.backends import GenerateRequest, make_backend
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic.runner import EngineCounters, engine_counters, engine_ttft
+
+    inv = load_inventory(
+        write_inventory(
+            tmp_path / "inventory.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": {
+                    "baseline": {"kind": "sglang", "host": "local", "url": reference_server.url}
+                },
+            },
+        )
+    )
+    before = engine_counters(inv, "baseline")
+    with make_backend("baseline", inv.backends["baseline"]) as be:
+        for i in range(4):
+            be.generate(GenerateRequest(input_ids=[11 + i, 12, 13], max_new_tokens=2))
+    after = engine_counters(inv, "baseline")
+    assert before is not None and after is not None
+    window = after.minus(before)
+    assert window.requests >= 4 and min(window.ttft_buckets) == 0.1
+
+    ms, note, breach = engine_ttft(window, "p99", 50)
+    assert ms is not None and 50 < ms <= 100 and not breach
+    assert note == (
+        "TTFT histogram cannot judge an SLO of 50 ms: its first bucket ends at 100 ms; "
+        "judged by the probes"
+    )
+    assert engine_ttft(window, "p99", 150) == (ms, "", "")
+    # Requests that took 0.4 to 0.6 s, as an engine's own buckets would count them.
+    slow = EngineCounters(requests=4, ttft_buckets={0.1: 0, 0.2: 0, 0.4: 0, 0.6: 4, 1.0: 4})
+    ms, note, breach = engine_ttft(slow, "p99", 300)
+    assert ms is not None and 400 < ms <= 600 and not note
+    assert breach.startswith("TTFT p99 ") and "exceeds the SLO of 300 ms" in breach

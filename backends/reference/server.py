@@ -43,6 +43,12 @@ VERSION = f"kdctl-reference {__version__}"
 HEALTH_WAIT_S = 3.0
 
 
+# SGLang's default histogram bounds (metrics/collector.py, TokenizerMetricsCollector): its TTFT
+# buckets start at 0.1 s, so whatever reads them meets the same coarseness on both engines.
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+E2E_BUCKETS = (*TTFT_BUCKETS, 600, 1200, 1800, 2400)
+
+
 class _State:
     def __init__(
         self,
@@ -81,12 +87,14 @@ class _State:
             "Time to first token",
             labels,
             registry=self.registry,
+            buckets=TTFT_BUCKETS,
         ).labels(served_name)
         self.e2e = Histogram(
             "sglang:e2e_request_latency_seconds",
             "End-to-end latency",
             labels,
             registry=self.registry,
+            buckets=E2E_BUCKETS,
         ).labels(served_name)
 
     def load(self, ready_line: str | None) -> None:

@@ -282,7 +282,7 @@ class Runner:
         key = front_api_key(self.inv, {plan.to_backend: 100})
         be = make_backend("router-front", front, api_key=key)
         assert isinstance(be, HttpBackend)
-        engine_before = _engine_counters(self.inv, plan.to_backend)
+        engine_before = engine_counters(self.inv, plan.to_backend)
         deadline = time.monotonic() + seconds
         failed = sent = 0
         worst_ttft = worst_itl = 0.0
@@ -322,30 +322,20 @@ class Runner:
         }
         # The candidate's own view of the window: how many requests it served (all traffic,
         # not only the probe's), and their TTFT percentile from its histogram's buckets.
-        engine_after = _engine_counters(self.inv, plan.to_backend)
+        engine_after = engine_counters(self.inv, plan.to_backend)
         if engine_before is not None and engine_after is not None:
             window = engine_after.minus(engine_before)
             watch["engine_requests"] = window.requests
-            seconds_at = histogram_quantile(int(pct[1:]) / 100, window.ttft_buckets)
-            if seconds_at is not None:
-                engine_ms = seconds_at * 1000
+            engine_ms, note, breach = engine_ttft(window, pct, settings.slo_ttft_ms)
+            if engine_ms is not None:
                 watch[f"engine_ttft_{pct}_ms"] = round(engine_ms, 2)
-                slo = settings.slo_ttft_ms
-                finest = resolution(window.ttft_buckets)
-                if slo is not None and finest is not None and slo / 1000 < finest:
-                    # SGLang's TTFT buckets start at 0.1 s: every request under it counts as
-                    # 100 ms there, so a tighter SLO would breach on every window. Left to the
-                    # probes, which time each request, and said.
-                    watch["engine_ttft_note"] = (
-                        f"{plan.to_backend}'s TTFT histogram cannot judge an SLO of {slo:g} ms: "
-                        f"its first bucket ends at {finest * 1000:g} ms; judged by the probes"
-                    )
-                elif slo is not None and engine_ms > slo:
-                    self.watches.append(watch)
-                    raise AnalysisFailed(
-                        f"SLO breach during the canary: {plan.to_backend}'s own TTFT {pct} "
-                        f"{engine_ms:.0f} ms over the window exceeds the SLO of {slo:g} ms"
-                    )
+            if note:
+                watch["engine_ttft_note"] = f"{plan.to_backend}'s {note}"
+            if breach:
+                self.watches.append(watch)
+                raise AnalysisFailed(
+                    f"SLO breach during the canary: {plan.to_backend}'s own {breach}"
+                )
         self.watches.append(watch)
         return (
             f"{sent} probe requests, {failed} failed, "
@@ -435,16 +425,16 @@ _TTFT_BUCKET = "sglang:time_to_first_token_seconds_bucket"
 
 
 @dataclass(frozen=True)
-class _EngineCounters:
+class EngineCounters:
     """An engine's request counter and its TTFT histogram's cumulative buckets ({le: count}),
     summed over labels."""
 
     requests: float
     ttft_buckets: dict[float, float]
 
-    def minus(self, before: _EngineCounters) -> _EngineCounters:
+    def minus(self, before: EngineCounters) -> EngineCounters:
         """What was counted between `before` and this reading."""
-        return _EngineCounters(
+        return EngineCounters(
             requests=self.requests - before.requests,
             ttft_buckets={
                 le: n - before.ttft_buckets.get(le, 0.0) for le, n in self.ttft_buckets.items()
@@ -452,7 +442,35 @@ class _EngineCounters:
         )
 
 
-def _engine_counters(inv: LoadedInventory, name: str) -> _EngineCounters | None:
+def engine_ttft(
+    window: EngineCounters, pct: str, slo_ms: float | None
+) -> tuple[float | None, str, str]:
+    """An engine's TTFT percentile over a window, from its histogram's buckets; a note where
+    the buckets are too coarse to judge `slo_ms` (SGLang's start at 0.1 s: every request under
+    it counts as up to 100 ms there, so a tighter SLO would breach on every window, and is left
+    to the probes, which time each request); and a breach where they judge it broken."""
+    seconds_at = histogram_quantile(int(pct[1:]) / 100, window.ttft_buckets)
+    if seconds_at is None:
+        return None, "", ""
+    engine_ms = seconds_at * 1000
+    finest = resolution(window.ttft_buckets)
+    if slo_ms is not None and finest is not None and slo_ms / 1000 < finest:
+        return (
+            engine_ms,
+            f"TTFT histogram cannot judge an SLO of {slo_ms:g} ms: its first bucket ends at "
+            f"{finest * 1000:g} ms; judged by the probes",
+            "",
+        )
+    if slo_ms is not None and engine_ms > slo_ms:
+        return (
+            engine_ms,
+            "",
+            f"TTFT {pct} {engine_ms:.0f} ms over the window exceeds the SLO of {slo_ms:g} ms",
+        )
+    return engine_ms, "", ""
+
+
+def engine_counters(inv: LoadedInventory, name: str) -> EngineCounters | None:
     """The engine's counters from its Prometheus metrics; None when it exports none or does
     not answer."""
     spec = inv.backends[name]
@@ -472,7 +490,7 @@ def _engine_counters(inv: LoadedInventory, name: str) -> _EngineCounters | None:
                 buckets[le] = buckets.get(le, 0.0) + float(sample.value)
     if requests is None and not buckets:
         return None
-    return _EngineCounters(requests=requests or 0.0, ttft_buckets=buckets)
+    return EngineCounters(requests=requests or 0.0, ttft_buckets=buckets)
 
 
 def _breaches(m: BenchMetrics, pct: str, ttft_ms: float | None, itl_ms: float | None) -> list[str]:

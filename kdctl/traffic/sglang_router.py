@@ -16,11 +16,14 @@ from kdctl.backends import bearer
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
 
 
-def router_argv(port: int, workers: Sequence[str], *, prometheus_port: int) -> list[str]:
+def router_argv(
+    port: int, workers: Sequence[str], *, prometheus_port: int, api_key: str | None = None
+) -> list[str]:
     """The command line that starts SGLang's router on loopback in front of `workers`, round
     robin: what the sandbox, a benchmark or a test runs. Its metrics listener defaults to port
-    29000, so a second router on one machine needs its own."""
-    return [
+    29000, so a second router on one machine needs its own. With `api_key`, the router requires
+    it of every client (its flag is the only way in: keep such a router's host to yourself)."""
+    argv = [
         sys.executable,
         "-m",
         "sglang_router.launch_router",
@@ -35,6 +38,7 @@ def router_argv(port: int, workers: Sequence[str], *, prometheus_port: int) -> l
         "--prometheus-port",
         str(prometheus_port),
     ]
+    return argv if api_key is None else [*argv, "--api-key", api_key]
 
 
 class SGLangRouter(Router):

@@ -248,6 +248,14 @@ class ThroughputGate(Gate):
             if baseline is not None and recorded is not None:
                 base_points = [BenchMetrics.model_validate(p) for p in recorded.payload["points"]]
                 source = f"{baseline}'s run recorded {recorded.created_at:%Y-%m-%d %H:%M}Z"
+                taken = int(recorded.payload.get("repeats", 1))
+                if taken != settings.repeats:
+                    # Not in the workload hash (the same requests were sent), but a median of
+                    # three is steadier than one run: say which figures meet.
+                    source += (
+                        f", the median of {taken} run{'s' if taken > 1 else ''} per "
+                        f"concurrency where this one takes {settings.repeats}"
+                    )
             with ctx.backend(backend) as be:
                 info = be.info()
                 if baseline is None or base_points is not None:

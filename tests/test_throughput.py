@@ -132,6 +132,10 @@ def test_interleaved_repeats_measure_both_engines_side_by_side(inventory: Any) -
     assert rec.code == 0, rec.err
     code, result = gate(inv, "candidate", "--baseline", "baseline")
     assert code == 0 and "run recorded" in result["reasons"][0], result["reasons"]
+    assert "median of" not in result["reasons"][0]
+    code, result = gate(inventory(min_ratio=0.25), "candidate", "--baseline", "baseline")
+    assert code == 0, result["reasons"]
+    assert "the median of 3 runs per concurrency where this one takes 1" in result["reasons"][0]
 
     inv = inventory(min_ratio=0.25, repeats=3, baseline_run="interleaved")
     loaded = load_inventory(inv)

@@ -150,8 +150,8 @@ class SGLangBackend(HttpBackend):
 class _CumulativeReader:
     """SGLang's stream events, as each release sends them, to chunks of only what is new.
 
-    Text is cumulative in every release's default; output_ids are absent (0.4.x), only the new
-    ids (0.5.1 to 0.5.5, and with --incremental-streaming-output) or cumulative (0.5.6 on).
+    Text is cumulative in every release's default; output_ids are absent (0.4.3), only the new
+    ids (0.4.10 to 0.5.5, and with --incremental-streaming-output) or cumulative (0.5.6 on).
     Incremental text comes only with incremental ids (--incremental-streaming-output), so only
     then is the text asked whether it still extends what came before; once it does not, the
     stream is read as incremental to its end."""

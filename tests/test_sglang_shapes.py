@@ -134,6 +134,8 @@ def test_the_reference_server_answers_in_each_releases_shape(shaped: tuple[str, 
 
     for route, status in doc["routes"].items():
         assert httpx.get(f"{url}{route}").status_code == status, (version, route)
+    # The release's keys, held to a live server's where one was captured (test_sglang_captured).
+    assert tuple(httpx.get(f"{url}/get_model_info").json()) == SHAPES[version].model_info
     bad = httpx.post(f"{url}/generate", content=b"{not json", timeout=10)
     assert bad.status_code == doc["schema_error"]["status"]
     assert set(bad.json()) == set(doc["schema_error"]["body"]), bad.json()

@@ -199,17 +199,19 @@ def create_app(
         return Response(status_code=200)
 
     async def model_info(request: Request) -> Response:
-        return JSONResponse(
-            {
-                "model_path": str(model_dir),
-                "tokenizer_path": str(model_dir),
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-            }
-        )
+        config = json.loads((model_dir / "config.json").read_text())
+        known = {
+            "model_path": str(model_dir),
+            "tokenizer_path": str(model_dir),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"),
+        }
+        return JSONResponse({k: known[k] for k in shape.model_info})
 
     async def server_info(request: Request) -> Response:
         ctx = state.engine.context_length if state.engine else None
@@ -219,7 +221,9 @@ def create_app(
                 "served_model_name": state.served_name,
                 "tp_size": 1,
                 "dp_size": 1,
-                "context_length": ctx,
+                # Null, as SGLang's is unless --context-length was given (every captured
+                # server's): the window is on /v1/models.
+                "context_length": None,
                 "max_req_input_len": ctx,
                 "device": device,
                 "dtype": dtype,
@@ -295,10 +299,9 @@ def create_app(
                 meta["e2e_latency"] = time.perf_counter() - started
             if result.spec_verify_ct is not None:
                 meta["spec_verify_ct"] = result.spec_verify_ct
-            if shape.wo_jump_forward:
-                meta["completion_tokens_wo_jump_forward"] = result.completion_tokens
-            if shape.spec_always or result.spec_verify_ct:
+            if result.spec_verify_ct:
                 meta.update(_accept(result, getattr(got, "draft_tokens", 0)))
+            meta.update({k: _META_EXTRA[k]() for k in shape.meta_extra})
             if want_lp:
                 meta["output_token_logprobs"] = [
                     [t.logprob, t.token_id, None] for t in result.logprobs
@@ -558,17 +561,25 @@ def _check(engine: ReferenceEngine, req: GenerateRequest) -> None:
         )
 
 
+# What a live SGLang sent under these names on a plain answer (captured 0.5.6.post2).
+_META_EXTRA: dict[str, Any] = {
+    "weight_version": lambda: "default",
+    "total_retractions": lambda: 0,
+    "response_sent_to_client_ts": time.time,
+}
+
+
 def _accept(result: GenerateResult, draft_tokens: int) -> dict[str, float]:
     """SGLang's accept figures: tokens per verification, and the share of drafted tokens the
     target kept (each verification adds one token of its own; the prefill made the first)."""
     verified = result.spec_verify_ct or 0
-    if not verified:
-        return {"spec_accept_length": 0.0, "spec_accept_rate": 0.0}
     accepted = max(result.completion_tokens - verified - 1, 0)
     rate = accepted / (verified * draft_tokens) if draft_tokens else 0.0
     return {
         "spec_accept_length": result.completion_tokens / verified,
-        "spec_accept_rate": round(rate, 4),
+        "spec_accept_rate": rate,
+        "spec_accept_token_num": accepted,
+        "spec_draft_token_num": verified * draft_tokens,
     }
 
 

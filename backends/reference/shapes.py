@@ -2,8 +2,10 @@
 (`kdctl reference serve --sglang-version V`) and kdctl's client is tested against every shape.
 
 Taken from SGLang's source, release by release (docs/sglang-compatibility.md cites the files),
-not captured from a live SGLang, which needs its CUDA kernels. tests/fixtures/sglang/generate/
-holds one recorded answer of each shape.
+then held against what live SGLang servers answered where that was captured
+(tests/fixtures/sglang/captured/, from SGLang's executed documentation): the key sets of
+/generate's answer and of /get_model_info follow those captures. tests/fixtures/sglang/generate/
+holds one answer of each shape.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ IdsInStream = Literal["none", "new", "all"]
 @dataclass(frozen=True)
 class Shape:
     version: str
-    # `output_ids` on /generate: absent (0.4.x), only this event's new ids in a stream (0.5.1 to
-    # 0.5.5), or all of them so far (0.5.6 on); a whole answer has all of them unless absent.
+    # `output_ids` on /generate: absent (0.4.3), only this event's new ids in a stream (0.4.10
+    # to 0.5.5), or all of them so far (0.5.6 on); a whole answer has all of them unless absent.
     output_ids: IdsInStream
     # Streamed `text`: all of it so far (every default), or only what is new (0.5.10 on, with
     # --incremental-streaming-output).
@@ -30,25 +32,67 @@ class Shape:
     schema_error: Literal["detail", "flat", "text"]
     # /health: a plain 200 (0.4.3 to 0.4.6), or only when a generation can run (0.4.10 on).
     health_generates: bool
-    # meta_info.spec_accept_length and spec_accept_rate on every answer, 0 without
-    # verification (0.5.4 to 0.5.10); later only when a verification ran.
-    spec_always: bool = False
     # An error event in a stream carries type, code and retryable beside its message (0.5.23).
     rich_stream_error: bool = False
-    # meta_info.completion_tokens_wo_jump_forward, from the constrained decoding of 0.4.x.
-    wo_jump_forward: bool = False
+    # meta_info keys beyond the ones kdctl reads, as a live server of the release sent them.
+    meta_extra: tuple[str, ...] = ()
+    # /get_model_info's keys, in the order the release sends them.
+    model_info: tuple[str, ...] = ("model_path", "tokenizer_path", "is_generation")
+
+
+# /get_model_info grew by appending: 0.4.9 added preferred_sampling_params, 0.5.2
+# weight_version, 0.5.6 the last four (captured from 0.4.0.post2 to main of April 2026).
+_MODEL_INFO = (
+    "model_path",
+    "tokenizer_path",
+    "is_generation",
+    "preferred_sampling_params",
+    "weight_version",
+    "has_image_understanding",
+    "has_audio_understanding",
+    "model_type",
+    "architectures",
+)
 
 
 SHAPES: dict[str, Shape] = {
     s.version: s
     for s in (
+        Shape("0.4.3", "none", False, False, "detail", health_generates=False),
+        # A live 0.4.10.post2 sent output_ids in its whole answer; how its stream sends them
+        # was not captured, and is taken as 0.5.1's.
         Shape(
-            "0.4.3", "none", False, False, "detail", health_generates=False, wo_jump_forward=True
+            "0.4.10",
+            "new",
+            False,
+            False,
+            "flat",
+            health_generates=True,
+            model_info=_MODEL_INFO[:4],
         ),
-        Shape("0.4.10", "none", False, False, "flat", health_generates=True),
-        Shape("0.5.1", "new", False, False, "flat", health_generates=True),
-        Shape("0.5.6", "all", False, True, "flat", health_generates=True, spec_always=True),
-        Shape("0.5.23", "all", False, True, "text", health_generates=True, rich_stream_error=True),
+        Shape(
+            "0.5.1", "new", False, False, "flat", health_generates=True, model_info=_MODEL_INFO[:4]
+        ),
+        Shape(
+            "0.5.6",
+            "all",
+            False,
+            True,
+            "flat",
+            health_generates=True,
+            meta_extra=("weight_version", "total_retractions", "response_sent_to_client_ts"),
+            model_info=_MODEL_INFO,
+        ),
+        Shape(
+            "0.5.23",
+            "all",
+            False,
+            True,
+            "text",
+            health_generates=True,
+            rich_stream_error=True,
+            model_info=_MODEL_INFO,
+        ),
         Shape(
             "0.5.23-incremental",
             "new",
@@ -57,6 +101,7 @@ SHAPES: dict[str, Shape] = {
             "text",
             health_generates=True,
             rich_stream_error=True,
+            model_info=_MODEL_INFO,
         ),
     )
 }

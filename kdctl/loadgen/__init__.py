@@ -15,6 +15,7 @@ from kdctl.loadgen._stats import (
     RequestRecord,
     Stats,
     histogram_quantile,
+    past_last_bucket,
     percentile,
     resolution,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "arrival_offsets",
     "client_class",
     "histogram_quantile",
+    "past_last_bucket",
     "percentile",
     "resolution",
     "run_load",

@@ -91,6 +91,16 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return lower
 
 
+def past_last_bucket(q: float, buckets: dict[float, float]) -> bool:
+    """Whether the q-quantile's rank falls in the +Inf bucket, where histogram_quantile can
+    only answer the last finite bound, a floor."""
+    finite = [le for le in buckets if not math.isinf(le)]
+    total = max(buckets.values(), default=0.0)
+    if not finite or total <= 0:
+        return False
+    return buckets[max(finite)] < q * total
+
+
 def resolution(buckets: dict[float, float]) -> float | None:
     """The first finite bucket's upper bound: below it, a histogram cannot tell values apart."""
     finite = [le for le in buckets if le > 0 and not math.isinf(le)]

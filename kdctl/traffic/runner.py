@@ -30,7 +30,14 @@ from kdctl.checks.promotion import promotion_result
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import BackendSpec, LoadedInventory
-from kdctl.loadgen import BenchMetrics, LoadPlan, histogram_quantile, resolution, run_load
+from kdctl.loadgen import (
+    BenchMetrics,
+    LoadPlan,
+    histogram_quantile,
+    past_last_bucket,
+    resolution,
+    run_load,
+)
 from kdctl.recording import run_gates
 from kdctl.records import GateResult, Verdict, utcnow
 from kdctl.serving import front_api_key
@@ -325,7 +332,8 @@ class Runner:
         engine_after = engine_counters(self.inv, plan.to_backend)
         if engine_before is not None and engine_after is not None:
             window = engine_after.minus(engine_before)
-            watch["engine_requests"] = window.requests
+            if window.requests is not None:
+                watch["engine_requests"] = window.requests
             engine_ms, note, breach = engine_ttft(window, pct, settings.slo_ttft_ms)
             if engine_ms is not None:
                 watch[f"engine_ttft_{pct}_ms"] = round(engine_ms, 2)
@@ -427,15 +435,19 @@ _TTFT_BUCKET = "sglang:time_to_first_token_seconds_bucket"
 @dataclass(frozen=True)
 class EngineCounters:
     """An engine's request counter and its TTFT histogram's cumulative buckets ({le: count}),
-    summed over labels."""
+    summed over labels. `requests` is None where the engine exports no such counter (SGLang
+    before mid-2025): not counted is not zero."""
 
-    requests: float
+    requests: float | None
     ttft_buckets: dict[float, float]
 
     def minus(self, before: EngineCounters) -> EngineCounters:
         """What was counted between `before` and this reading."""
+        requests = None
+        if self.requests is not None and before.requests is not None:
+            requests = self.requests - before.requests
         return EngineCounters(
-            requests=self.requests - before.requests,
+            requests=requests,
             ttft_buckets={
                 le: n - before.ttft_buckets.get(le, 0.0) for le, n in self.ttft_buckets.items()
             },
@@ -454,6 +466,24 @@ def engine_ttft(
         return None, "", ""
     engine_ms = seconds_at * 1000
     finest = resolution(window.ttft_buckets)
+    if past_last_bucket(int(pct[1:]) / 100, window.ttft_buckets):
+        # PromQL's estimate is then the last finite bound, a floor: the percentile is over it,
+        # by how much the histogram cannot say.
+        if slo_ms is not None and engine_ms >= slo_ms:
+            return (
+                engine_ms,
+                "",
+                (
+                    f"TTFT {pct} over {engine_ms:.0f} ms (past the histogram's last finite bucket) "
+                    f"exceeds the SLO of {slo_ms:g} ms"
+                ),
+            )
+        return (
+            None,
+            f"TTFT histogram puts {pct} past its last finite bucket ({engine_ms:g} ms): "
+            "not measured there; judged by the probes",
+            "",
+        )
     if slo_ms is not None and finest is not None and slo_ms / 1000 < finest:
         return (
             engine_ms,
@@ -490,7 +520,7 @@ def engine_counters(inv: LoadedInventory, name: str) -> EngineCounters | None:
                 buckets[le] = buckets.get(le, 0.0) + float(sample.value)
     if requests is None and not buckets:
         return None
-    return EngineCounters(requests=requests or 0.0, ttft_buckets=buckets)
+    return EngineCounters(requests=requests, ttft_buckets=buckets)
 
 
 def _breaches(m: BenchMetrics, pct: str, ttft_ms: float | None, itl_ms: float | None) -> list[str]:

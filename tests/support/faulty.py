@@ -150,6 +150,31 @@ def release(fixture: dict[str, Any]) -> type[Quiet]:
     return Release
 
 
+def replay(answers: dict[tuple[str, str], tuple[int, bytes, str]]) -> type[Quiet]:
+    """A handler sending recorded bodies as they were sent, by (method, path); 404 elsewhere."""
+
+    class Replay(Quiet):
+        def _answer(self, method: str) -> None:
+            self.drain()
+            path = self.path.split("?")[0]
+            status, data, kind = answers.get(
+                (method, path), (404, b'{"detail":"Not Found"}', "application/json")
+            )
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._answer("GET")
+
+        def do_POST(self) -> None:
+            self._answer("POST")
+
+    return Replay
+
+
 def serve(handler: type[Quiet]) -> socketserver.ThreadingTCPServer:
     """Started on a free loopback port; `server_address[1]` is the port, `shutdown()` ends it."""
     server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)

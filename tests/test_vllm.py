@@ -44,7 +44,9 @@ def vllm(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            vllm_argv(VLLM_PYTHON, llama, port, served_name="tiny"),
+            # Eager: its CPU build otherwise compiles the model with inductor at start-up
+            # (36 s of both cores here), which the API under test does not depend on.
+            vllm_argv(VLLM_PYTHON, llama, port, served_name="tiny", extra=("--enforce-eager",)),
             env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,

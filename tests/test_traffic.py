@@ -464,9 +464,22 @@ def test_drain_answers_503_with_retry_after(front: dict[str, Any]) -> None:
     from kdctl.transports import TransportPool
 
     inv = load_inventory(front["inv"])
+    master = int((front["root"] / "nginx.pid").read_text())
+
+    def workers() -> dict[int, str]:
+        ps = subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(master)], capture_output=True, text=True
+        )
+        return {int(ln.split()[0]): ln for ln in ps.stdout.splitlines() if ln.strip()}
+
     with TransportPool(inv) as pool:
         router = NginxRouter(inv, inv.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        before = workers()
         assert router.drain().draining
+        # No worker of the old file may still take a connection once drain() returns: each
+        # has taken the reload (nginx retitles it) or is gone.
+        after = workers()
+        assert before and all("shutting down" in after[p] for p in before if p in after), after
         deadline = time.monotonic() + 10
         while True:  # the reload's new workers take over shortly after it returns
             r = httpx.get(front["url"] + "/generate")

@@ -26,6 +26,9 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _WEIGHTS_LINE = re.compile(r"^# kdctl-weights: (\{.*\})$", re.MULTILINE)
 _SERVER = re.compile(r"^\s*server (\S+) weight=(\d+);$", re.MULTILINE)
 _DRAINING = re.compile(r"^\s*return 503 ", re.MULTILINE)
+_PID_DIRECTIVE = re.compile(r"^\s*pid\s+([^;\s]+)\s*;", re.MULTILINE)
+# The title nginx gives a worker once it has taken the reload's signal: it accepts nothing new.
+_SHUTTING_DOWN = "worker process is shutting down"
 
 
 def _env() -> Environment:
@@ -119,9 +122,65 @@ class NginxRouter(Router):
             raise RouterError(
                 f"nginx -t refused the new configuration: {test.stderr.strip()[-600:]}"
             )
+        master = self._master_pid()
+        previous = self._workers(master) if master else {}
         reload = self.transport.run(self._nginx("-s", "reload"), timeout=30)
         if not reload.ok:
             raise RouterError(f"nginx -s reload failed: {reload.stderr.strip()[-600:]}")
+        if master:
+            self._await_previous_workers(master, set(previous))
+
+    def _await_previous_workers(self, master: int, previous: set[int]) -> None:
+        """Until each worker of the previous configuration has taken the reload's signal (or
+        exited): before that, on a busy host, it still accepts a client's new connection and
+        sends it where the old file said, to an engine about to stop. Answers through the front
+        cannot show this: they may all reach the new workers while an old one lingers."""
+        deadline = time.monotonic() + 10
+        while True:
+            lingering = [
+                pid
+                for pid, args in self._workers(master).items()
+                if pid in previous and _SHUTTING_DOWN not in args
+            ]
+            if not lingering:
+                return
+            if time.monotonic() > deadline:
+                raise RouterError(
+                    f"nginx on {self.spec.host}: worker(s) {lingering} of the previous "
+                    "configuration have not taken the reload after 10s"
+                )
+            time.sleep(0.02)
+
+    def _master_pid(self) -> int | None:
+        """nginx's master, from the pid file its configuration names (`pid`, relative to the
+        prefix), else the one it was built with; None where there is none to read."""
+        path: str | None = None
+        if self.spec.conf:
+            conf = self.transport.run(["cat", "--", self.spec.conf], timeout=30)
+            m = _PID_DIRECTIVE.search(conf.stdout) if conf.ok else None
+            if m:
+                path = m.group(1)
+        if path is None:
+            built = self.transport.run([self.spec.nginx, "-V"], timeout=30)
+            m = re.search(r"--pid-path=(\S+)", built.stdout + built.stderr)
+            path = m.group(1) if m else None
+        if path is None:
+            return None
+        if not path.startswith("/") and self.spec.prefix:
+            path = f"{self.spec.prefix.rstrip('/')}/{path}"
+        pid = self.transport.run(["cat", "--", path], timeout=30)
+        text = pid.stdout.strip()
+        return int(text) if pid.ok and text.isdigit() else None
+
+    def _workers(self, master: int) -> dict[int, str]:
+        """The master's children by pid, with their titles."""
+        ps = self.transport.run(["ps", "-o", "pid=,args=", "--ppid", str(master)], timeout=30)
+        workers = {}
+        for line in ps.stdout.splitlines():
+            pid, _, args = line.strip().partition(" ")
+            if pid.isdigit():
+                workers[int(pid)] = args
+        return workers
 
     def _write(self, text: str, on_written: Callable[[], None] | None = None) -> None:
         """New file in, `nginx -t`; on refusal the previous file goes back and nginx, never

@@ -19,6 +19,13 @@ class Quiet(http.server.BaseHTTPRequestHandler):
         if length:
             self.rfile.read(length)
 
+    def send(self, status: int, data: bytes, kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
 
 class NotJson(Quiet):
     """200 with a JSON content type and an HTML body, as a misrouted gateway answers."""
@@ -112,40 +119,33 @@ def release(fixture: dict[str, Any]) -> type[Quiet]:
     and a prompt that does not fit the context (`"text": "too long"`) as that release refuses it."""
 
     class Release(Quiet):
-        def _send(self, status: int, data: bytes, kind: str = "application/json") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             try:
                 body = json.loads(self.rfile.read(length))
             except ValueError:
                 err = fixture["schema_error"]
-                return self._send(err["status"], json.dumps(err["body"]).encode())
+                return self.send(err["status"], json.dumps(err["body"]).encode())
             too_long = body.get("text") == "too long"
             if body.get("stream"):
                 events = fixture["bad_input_stream"]["events"] if too_long else fixture["stream"]
                 data = "".join(f"{e}\n\n" for e in events).encode()
-                return self._send(200, data, "text/event-stream")
+                return self.send(200, data, "text/event-stream")
             if too_long:
                 err = fixture["bad_input"]
-                return self._send(err["status"], json.dumps(err["body"]).encode())
-            return self._send(200, json.dumps(fixture["answer"]).encode())
+                return self.send(err["status"], json.dumps(err["body"]).encode())
+            return self.send(200, json.dumps(fixture["answer"]).encode())
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 cards = [{"id": "tiny", "object": "model", "max_model_len": 2048}]
-                return self._send(200, json.dumps({"object": "list", "data": cards}).encode())
+                return self.send(200, json.dumps({"object": "list", "data": cards}).encode())
             status = fixture["routes"].get(self.path)
             if status != 200:
-                return self._send(404, b'{"detail": "Not Found"}')
+                return self.send(404, b'{"detail": "Not Found"}')
             info = {"model_path": "/models/tiny", "served_model_name": "tiny", "tp_size": 1}
             info |= {"context_length": None, "version": fixture["sglang"]}
-            return self._send(200, json.dumps(info).encode())
+            return self.send(200, json.dumps(info).encode())
 
     return Release
 
@@ -157,14 +157,9 @@ def replay(answers: dict[tuple[str, str], tuple[int, bytes, str]]) -> type[Quiet
         def _answer(self, method: str) -> None:
             self.drain()
             path = self.path.split("?")[0]
-            status, data, kind = answers.get(
-                (method, path), (404, b'{"detail":"Not Found"}', "application/json")
+            self.send(
+                *answers.get((method, path), (404, b'{"detail":"Not Found"}', "application/json"))
             )
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
         def do_GET(self) -> None:
             self._answer("GET")

@@ -217,7 +217,7 @@ class NginxRouter(Router):
         current = self.read()
         self._write(self.render(current.weights, draining=True))
         deadline = time.monotonic() + deadline_s
-        with _fresh_connections() as client:
+        with httpx.Client() as client:
             while not all(self._draining(client) for _ in range(3)):
                 if time.monotonic() > deadline:
                     raise RouterError(f"nginx front {self.front_url} does not answer as drained")
@@ -241,7 +241,7 @@ class NginxRouter(Router):
         # One backend: every answer must come from it, a few in a row.
         tries = 3 if len(serving) == 1 else 1
         deadline = time.monotonic() + deadline_s
-        with _fresh_connections() as client:
+        with httpx.Client() as client:
             while True:
                 got = [self.probe(client) for _ in range(tries)]
                 if all(g in serving for g in got):
@@ -252,14 +252,6 @@ class NginxRouter(Router):
                         f"not only {sorted(serving)}"
                     )
                 time.sleep(0.05)
-
-
-def _fresh_connections() -> httpx.Client:
-    """A client that opens a connection per request: a kept-alive one stays with the worker
-    that first took it, while a client's new connection can still be taken by an old worker
-    that has not yet seen the reload's signal; each probe must be accepted the way clients'
-    requests are."""
-    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _digest(text: str) -> str:

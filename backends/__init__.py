@@ -14,11 +14,18 @@ from kdctl.backends._types import (
     StreamChunk,
     TokenLogprob,
 )
-from kdctl.backends.health import HealthResult, bearer, probe_health, wait_http
+from kdctl.backends.health import (
+    HEALTH_TIMEOUT_S,
+    HealthResult,
+    bearer,
+    probe_health,
+    wait_http,
+)
 from kdctl.backends.openai import vllm_argv
 
 __all__ = [
     "DONE",
+    "HEALTH_TIMEOUT_S",
     "Backend",
     "EngineInfo",
     "FinishReason",

@@ -22,7 +22,7 @@ from kdctl.backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
-from kdctl.backends.health import HealthResult, bearer, probe_health
+from kdctl.backends.health import HEALTH_TIMEOUT_S, HealthResult, bearer, probe_health
 from kdctl.errors import InputError
 
 # One engine answer (a batch of generations with top-k logprobs): far below this.
@@ -136,7 +136,7 @@ class HttpSession:
             self.base_url,
             api_key=self._key,
             path=path,
-            timeout=min(self.timeout, 25.0),
+            timeout=min(self.timeout, HEALTH_TIMEOUT_S),
         )
 
     def metrics(self) -> dict[str, Any]:

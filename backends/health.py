@@ -27,12 +27,17 @@ def bearer(api_key: SecretStr | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
 
 
+# SGLang's generating /health may take its 20 s SGLANG_HEALTH_CHECK_TIMEOUT: every health
+# probe waits this long, never the few seconds a plain route would need.
+HEALTH_TIMEOUT_S = 25.0
+
+
 def probe_health(
     client: httpx.Client,
     url: str,
     *,
     api_key: SecretStr | None = None,
-    timeout: float = 25.0,
+    timeout: float = HEALTH_TIMEOUT_S,
     path: str = "/health",
 ) -> HealthResult:
     """GET `{url}/health`: 200 is up; 503 is starting, draining or unhealthy.

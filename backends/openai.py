@@ -64,7 +64,9 @@ class OpenAIBackend(HttpBackend):
                 model=card.get("root") or card.get("id"),
                 served_name=card.get("id"),
                 version=version if isinstance(version, str) else None,
-                tp_size=self.spec.tp_size,
+                # The OpenAI API does not say how the model is split: unknown, not the
+                # inventory's figure.
+                tp_size=None,
                 context_length=card.get("max_model_len"),
             )
         except ValidationError as exc:
@@ -79,14 +81,16 @@ class OpenAIBackend(HttpBackend):
             "max_tokens": req.max_new_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
-            # At least one logprob: it is how the token ids of the output come back.
-            "logprobs": max(req.top_logprobs, 1),
             "stream": stream,
             # Token ids instead of strings: vLLM's `return_tokens_as_token_ids` for logprob
             # entries, and `return_token_ids` (vLLM and SGLang) for the output itself.
             "return_tokens_as_token_ids": True,
             "return_token_ids": True,
         }
+        # Only where a gate reads them: SGLang builds every stream event's logprobs from the
+        # whole list so far. The output's ids come back through return_token_ids.
+        if req.logprobs or req.top_logprobs:
+            body["logprobs"] = max(req.top_logprobs, 1)
         if req.top_k > 0:
             body["top_k"] = req.top_k
         if req.ignore_eos:
@@ -114,14 +118,15 @@ class OpenAIBackend(HttpBackend):
                 # SGLang's OpenAI routes key logprobs by token text and have no
                 # return_tokens_as_token_ids (docs/sglang-compatibility.md).
                 raise TextKeyedLogprobs(tok)
-            ranked = sorted(
-                (
-                    (tid, float(v))
-                    for t, v in (top or {}).items()
-                    if (tid := _token_id(t)) is not None
-                ),
-                key=lambda p: -p[1],
-            )
+            ranked = []
+            for t, v in (top or {}).items() if k else ():
+                tid = _token_id(t)
+                if tid is None:
+                    # The alternatives are named by text: dropping them would leave a top-k
+                    # that looks measured and is empty.
+                    raise TextKeyedLogprobs(t)
+                ranked.append((tid, float(v)))
+            ranked.sort(key=lambda p: -p[1])
             out.append(
                 TokenLogprob(token_id=token_id, logprob=float(value), top=ranked[:k] if k else [])
             )

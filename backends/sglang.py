@@ -144,7 +144,20 @@ class SGLangBackend(HttpBackend):
         return self._result(self.http.json("POST", "/generate", self._body(req, stream=False)))
 
     def stream_call(self, req: GenerateRequest) -> StreamCall:
-        return StreamCall("/generate", self._body(req, stream=True), _CumulativeReader().read)
+        reader = _CumulativeReader(incremental=self._incremental_text())
+        return StreamCall("/generate", self._body(req, stream=True), reader.read)
+
+    def _incremental_text(self) -> bool | None:
+        """Whether streamed text is only what is new, as the server's own arguments say
+        (`incremental_streaming_output`), asked once; None where it does not say."""
+        if not hasattr(self, "_text_mode"):
+            try:
+                server = self._info("/server_info", "/get_server_info")
+                flag = server.get("incremental_streaming_output")
+            except BackendError:
+                flag = None
+            self._text_mode = flag if isinstance(flag, bool) else None
+        return self._text_mode
 
 
 class _CumulativeReader:
@@ -152,14 +165,17 @@ class _CumulativeReader:
 
     Text is cumulative in every release's default; output_ids are absent (0.4.3), only the new
     ids (0.4.10 to 0.5.5, and with --incremental-streaming-output) or cumulative (0.5.6 on).
-    Incremental text comes only with incremental ids (--incremental-streaming-output), so only
-    then is the text asked whether it still extends what came before; once it does not, the
-    stream is read as incremental to its end."""
+    Which one the server sends is its `incremental_streaming_output` argument, read from its
+    server info. Where that is not known, incremental text comes only with incremental ids, so
+    only then is the text asked whether it still extends what came before; once it does not,
+    the stream is read as incremental to its end (a delta that happens to repeat all the text
+    so far, as blank lines at the start can, is read as cumulative: hence the flag first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, incremental: bool | None = None) -> None:
         self.seen_ids = 0
         self.seen_text = ""
-        self.incremental_text = False
+        self.incremental_text = bool(incremental)
+        self.known = incremental is not None
 
     def read(self, at: float, data: Any) -> StreamChunk:
         if not isinstance(data, dict):
@@ -172,7 +188,7 @@ class _CumulativeReader:
         # Incremental ids fall behind the running count, which cumulative ones keep up with.
         new_only = isinstance(done, int) and self.seen_ids > 0 and done > len(ids)
         new_ids = list(ids) if new_only else list(ids[self.seen_ids :])
-        if new_only and not text.startswith(self.seen_text):
+        if not self.known and new_only and not text.startswith(self.seen_text):
             self.incremental_text = True
         new_text = text if self.incremental_text else text[len(self.seen_text) :]
         self.seen_ids += len(new_ids)

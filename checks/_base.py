@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
@@ -45,6 +45,9 @@ class GateContext:
     transport: Callable[[str], Transport] | None = None
     # The latest earlier result of (gate, backend): what "since the last check" is measured from.
     last_result: Callable[[str, str], GateResult | None] | None = None
+    # The recorded baselines the lookup handed out, by backend: a result compared with one is
+    # bound to what that one measured.
+    used_baselines: dict[str, Baseline] = field(default_factory=dict)
 
     def report(self, what: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -121,6 +124,18 @@ class Gate(abc.ABC):
         )
 
 
+def engine_now(ctx: GateContext, backend: str) -> EngineInfo | None:
+    """Who the engine says it is while a host-level gate looks at its box, where it answers:
+    such a result is about the build that ran then."""
+    if ctx.inventory.backends[backend].url is None:
+        return None
+    try:
+        with ctx.backend(backend) as be:
+            return be.info()
+    except KdctlError:
+        return None
+
+
 def provenance_of(
     ctx: GateContext, name: str, info: EngineInfo | None, workload: str | None
 ) -> Provenance:
@@ -138,7 +153,9 @@ def provenance_for(
         "model": info.model if info else spec.model,
         "served_name": info.served_name if info else None,
         "version": info.version if info else None,
-        "tp_size": info.tp_size if info and info.tp_size else spec.tp_size,
+        # A live engine that does not report its TP has none recorded: the inventory's figure
+        # would bind the result to a split nobody measured.
+        "tp_size": info.tp_size if info else spec.tp_size,
         "context_length": info.context_length if info else None,
     }
     return Provenance(

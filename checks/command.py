@@ -9,7 +9,7 @@ import shlex
 from typing import Any
 
 from kdctl._limits import load_json
-from kdctl.checks._base import Gate, GateContext
+from kdctl.checks._base import Gate, GateContext, engine_now
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory.models import CommandCheck
 from kdctl.records import (
@@ -131,6 +131,12 @@ class CommandGate(Gate):
             verdict, problems = "error", [*problems, str(exc)]
         if verdict == "pass":
             verdict = decide(metrics, problems)
+        info = engine_now(ctx, backend)
+        if info is None and checks:
+            reasons.append(
+                f"{backend} did not say what it serves: this result is tied to its host and "
+                "checkpoint, not to an engine build"
+            )
         return self.result(
             ctx,
             backend,
@@ -139,4 +145,5 @@ class CommandGate(Gate):
             metrics=metrics,
             reasons=problems + reasons,
             details=details,
+            info=info,
         )

@@ -267,7 +267,7 @@ class ThroughputGate(Gate):
                     why = (
                         "as gates.throughput.baseline_run asks"
                         if settings.baseline_run == "interleaved"
-                        else "as it has no recorded run of this workload"
+                        else "as no recorded run of this workload matches what it serves now"
                     )
                     source = (
                         f"{baseline} measured now, taking turns with {backend} run by run, {why}"

@@ -18,11 +18,12 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from kdctl.checks._base import Gate, GateContext
+from kdctl.checks._base import Gate, GateContext, engine_now
 from kdctl.errors import CommandTimeout, KdctlError, TransportError
 from kdctl.inventory.models import TpHealthSettings
 from kdctl.probes.gpus import GpuInfo, GpuProbe, GpuProcess, probe_gpus
 from kdctl.probes.kernel import XidProbe, probe_xids
+from kdctl.probes.services import probe_service
 from kdctl.probes.topology import Topology, probe_topology
 from kdctl.records import GateResult, Metric, decide, not_measured, utcnow
 from kdctl.transports import Transport
@@ -89,14 +90,51 @@ def topology_findings(topo: Topology, gpus: list[int], require_nvlink: bool) -> 
     return found
 
 
-def memory_findings(processes: list[GpuProcess], gpus: list[int]) -> list[str]:
-    """The engine runs on all its ranks only if something holds memory on every TP GPU."""
-    held = {p.gpu_index for p in processes if (p.used_memory_mib or 0) > 0}
-    return [
-        f"GPU {i}: no process holds memory (is the engine running on this rank?)"
-        for i in gpus
-        if i not in held
-    ]
+def memory_findings(
+    processes: list[GpuProcess], gpus: list[int], engine: set[int] | None = None
+) -> list[str]:
+    """The engine runs on all its ranks only if its processes hold memory on every TP GPU.
+    `engine` is its process tree (main pid and descendants); None where it cannot be told
+    apart, and then any process's memory counts, which the gate says."""
+    found = []
+    for i in gpus:
+        here = sorted(p.pid for p in processes if p.gpu_index == i and (p.used_memory_mib or 0))
+        if not here:
+            found.append(f"GPU {i}: no process holds memory (is the engine running on this rank?)")
+        elif engine is not None and not engine.intersection(here):
+            found.append(
+                f"GPU {i}: memory is held by pid {', '.join(map(str, here))}, none of them the "
+                "engine's (is another engine on this rank?)"
+            )
+    return found
+
+
+def engine_processes(transport: Transport, service: Any) -> set[int] | None:
+    """The engine's process tree on its host, from its service's main pid: TP ranks are its
+    children. None where the inventory names no service or it shows no pid; empty where the
+    service is not running."""
+    if service is None:
+        return None
+    state = probe_service(transport, service)
+    if state.state != "running":
+        return set()
+    if state.pid is None:
+        return None
+    listed = transport.run(["ps", "-e", "-o", "pid=,ppid="], timeout=10)
+    if not listed.ok:
+        return None
+    children: dict[int, list[int]] = {}
+    for line in listed.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            children.setdefault(int(parts[1]), []).append(int(parts[0]))
+    tree, todo = set(), [state.pid]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    return tree
 
 
 def new_xids(xids: XidProbe, previous: GateResult | None) -> tuple[list[str], list[str]]:
@@ -265,6 +303,15 @@ class TpHealthGate(Gate):
         failures: list[str] = []
         metrics: list[Metric] = []
         details: dict[str, Any] = {"tp_size": world, "gpus": tp_gpus}
+        info = engine_now(ctx, backend)
+        reported = info.tp_size if info is not None else None
+        if reported is not None and reported != world:
+            failures.append(
+                f"{backend} reports TP {reported}, but the inventory's {world} ranks are "
+                "what this check looks at"
+            )
+        elif reported is None and world > 1:
+            reasons.append(f"TP {world} is the inventory's: {backend} does not report its own")
         assert ctx.transport is not None
         try:
             transport = ctx.transport(spec.host)
@@ -275,7 +322,13 @@ class TpHealthGate(Gate):
                 failures += topology_findings(
                     probe_topology(transport), tp_gpus, settings.require_nvlink
                 )
-                failures += memory_findings(probe.processes, tp_gpus)
+                owners = engine_processes(transport, spec.service)
+                failures += memory_findings(probe.processes, tp_gpus, owners)
+                if owners is None and tp_gpus:
+                    reasons.append(
+                        f"engine memory: any process's counts; {backend} has no service in the "
+                        "inventory whose processes could be told apart"
+                    )
                 xids = probe_xids(transport)
                 fresh, unreadable = new_xids(
                     xids, ctx.last_result(self.name, backend) if ctx.last_result else None
@@ -336,6 +389,7 @@ class TpHealthGate(Gate):
                 metrics=metrics,
                 reasons=[str(exc)],
                 details=details,
+                info=info,
             )
         for m in metrics:
             if m.passed is False and not any(m.name in f for f in failures):
@@ -349,6 +403,7 @@ class TpHealthGate(Gate):
                 metrics=metrics,
                 reasons=reasons,
                 details=details,
+                info=info,
             )
         verdict = decide(metrics, failures)
         reasons += [not_measured(m) for m in metrics if m.unmeasured]
@@ -360,4 +415,5 @@ class TpHealthGate(Gate):
             metrics=metrics,
             reasons=failures + reasons,
             details=details,
+            info=info,
         )

@@ -17,13 +17,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks import GateResult, ProgressHook, gate_class, gates, utcnow, with_settings
+from kdctl.checks import (
+    GateResult,
+    ProgressHook,
+    freshness_window,
+    gate_class,
+    gates,
+    utcnow,
+    with_settings,
+)
 from kdctl.errors import InputError
-from kdctl.evidence import EvidenceStore
+from kdctl.evidence import EvidenceStore, freshness
 from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.recording import run_gates
 from kdctl.roadmap import (
+    FrontNow,
     PhaseReport,
     PhaseStatus,
     Roadmap,
@@ -70,30 +79,52 @@ class LatestVerdict(BaseModel):
     ended_at: datetime
     age: str
     evidence_id: str
+    # Whether it still describes what answers now, in the gate's default window (a roadmap
+    # criterion may set its own); None where no one said who the engine is.
+    fresh: bool | None = None
+    freshness: str | None = None
 
 
 def latest_verdicts(
-    inv: LoadedInventory, store: EvidenceStore, now: datetime | None = None
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    now: datetime | None = None,
+    identities: Mapping[str, Identity] | None = None,
 ) -> list[LatestVerdict]:
-    """The newest result of every gate for every backend, with its age: what `status` lists
-    beside the live probes (freshness is the roadmap's business, not this table's)."""
+    """The newest result of every gate for every backend, with its age, and, where who the
+    engines are now is known, whether it still describes them: a pass measured on another
+    build, checkpoint or host is listed as stale, not as a pass of what runs."""
     now = now or utcnow()
+    known = identities or {}
     found = []
     for backend in inv.backends:
         for gate in sorted(gates()):
             r = store.latest(gate, backend)
-            if r is not None:
-                found.append(
-                    LatestVerdict(
-                        gate=gate,
-                        backend=backend,
-                        baseline=r.baseline,
-                        verdict=r.verdict,
-                        ended_at=r.ended_at,
-                        age=age_text(now - r.ended_at),
-                        evidence_id=r.id,
-                    )
+            if r is None:
+                continue
+            verdict = LatestVerdict(
+                gate=gate,
+                backend=backend,
+                baseline=r.baseline,
+                verdict=r.verdict,
+                ended_at=r.ended_at,
+                age=age_text(now - r.ended_at),
+                evidence_id=r.id,
+            )
+            ident = known.get(backend)
+            if ident is not None:
+                current = ident.provenance
+                if r.baseline is not None and r.baseline in known:
+                    current = current.with_baseline(known[r.baseline].provenance)
+                f = freshness(
+                    r,
+                    window=freshness_window(inv, gate),
+                    current=current,
+                    now=now,
+                    live=ident.live,
                 )
+                verdict.fresh, verdict.freshness = f.fresh, f.reason
+            found.append(verdict)
     return found
 
 
@@ -203,7 +234,7 @@ def _assess(
     if candidate is not None and candidate not in inv.backends:
         known = ", ".join(sorted(inv.backends))
         raise InputError(f"unknown backend {candidate!r} (known: {known})")
-    probe = serving or probe_serving(inv, timeout_s=min(timeout_s, 5.0), session=session)
+    probe = serving or probe_serving(inv, timeout_s=timeout_s, session=session)
     identities: dict[str, Identity] = {}
 
     def identify(names: set[str]) -> dict[str, Identity]:
@@ -213,7 +244,16 @@ def _assess(
         return found
 
     report = (
-        evaluate(loaded, inv, store, identify, target=target, candidate=candidate, now=now)
+        evaluate(
+            loaded,
+            inv,
+            store,
+            identify,
+            target=target,
+            candidate=candidate,
+            now=now,
+            front=_front_now(probe),
+        )
         if loaded
         else None
     )
@@ -389,6 +429,19 @@ def assess_phases(
             session=s,
         )
         return assess(inv, store, roadmap=roadmap, target=target, candidate=candidate, session=s)
+
+
+def _front_now(probe: ServingProbe) -> FrontNow | None:
+    """What the front answered, for the roadmap to hold recorded promotions against; None
+    where there is no router to ask (the promotion cannot be checked, nor was it made)."""
+    if probe.routed is None:
+        return None
+    answered = probe.answered is True
+    return FrontNow(
+        backend=probe.backend if answered else None,
+        weights={k: v for k, v in probe.routed.weights.items() if v > 0},
+        detail=probe.front.detail if probe.front is not None else probe.detail,
+    )
 
 
 def default_baseline(inv: LoadedInventory, backend: str) -> str | None:

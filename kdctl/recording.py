@@ -39,9 +39,23 @@ def gate_context(
 
         def lookup(name: str, kind: BaselineKind, workload: str) -> Baseline | None:
             found = store.baselines(backend=name, kind=kind, workload_hash=workload)
-            return found[0] if found else None
+            if not found:
+                return None
+            (now,) = s.identify([name]).values()
+            # An engine that answers is compared as it is now: a run recorded on another build,
+            # checkpoint or host measured something else. One that does not (stopped for a
+            # swap) is compared with its newest record, and the result carries that record's
+            # identity for freshness to hold against what is deployed.
+            chosen = (
+                next((b for b in found if not b.provenance.differs_from(now.provenance)), None)
+                if now.live
+                else found[0]
+            )
+            if chosen is not None:
+                ctx.used_baselines[name] = chosen
+            return chosen
 
-        yield GateContext(
+        ctx = GateContext(
             inventory=inv,
             backend=s.backend,
             baseline_lookup=lookup,
@@ -49,6 +63,7 @@ def gate_context(
             transport=s.transport,
             last_result=store.latest,
         )
+        yield ctx
 
 
 def run_gates(
@@ -86,9 +101,11 @@ def run_gates(
                     ended_at=now,
                 )
             else:
+                ctx.used_baselines.clear()
                 result = cls().run(ctx, backend, baseline)
             result.settings = gate_settings(inv, name)
-            result = s.binder.bind_result(result)
+            recorded = ctx.used_baselines.get(baseline) if baseline is not None else None
+            result = s.binder.bind_result(result, recorded)
             store.record(result)
             results.append(result)
     return results

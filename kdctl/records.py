@@ -115,6 +115,27 @@ class Provenance(BaseModel):
     # The same of the baseline a comparing gate measured against.
     baseline_weights: str | None = None
     baseline_host_id: str | None = None
+    baseline_engine_version: str | None = None
+
+    def with_baseline(self, baseline: Provenance) -> Provenance:
+        """This, with the identity of the baseline it was compared against beside it."""
+        return self.model_copy(
+            update={
+                "baseline_weights": baseline.weights,
+                "baseline_host_id": baseline.host_id,
+                "baseline_engine_version": baseline.engine_version,
+            }
+        )
+
+    def differs_from(self, other: Provenance) -> list[str]:
+        """The identity fields both know and disagree on, as "field then -> now"."""
+        return [
+            f"{name} {getattr(self, name)} -> {getattr(other, name)}"
+            for name in ("engine_version", "model_path", "weights", "host_id", "tp_size")
+            if getattr(self, name) is not None
+            and getattr(other, name) is not None
+            and getattr(self, name) != getattr(other, name)
+        ]
 
     @model_serializer(mode="wrap")
     def _bound_fields_when_known(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -127,7 +148,7 @@ class Provenance(BaseModel):
         return data
 
 
-_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id")
+_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id", "baseline_engine_version")
 
 
 class GateResult(BaseModel):

@@ -203,6 +203,33 @@ def front_api_key(inv: LoadedInventory, weighted: Mapping[str, int]) -> SecretSt
     return None
 
 
+# Statuses that say the route is not there, rather than that the engine failed the request.
+_ROUTE_MISSING = frozenset({404, 405})
+
+
+def _health_instead(
+    client: httpx.Client,
+    url: str,
+    key: SecretStr | None,
+    timeout_s: float,
+    refused: BackendError,
+    last: dict[str, httpx.Response],
+) -> BackendError | None:
+    """Generation refused (a key kdctl lacks, a route the engine lacks): the health route
+    still tells whether an engine answers behind the front."""
+    last.pop("resp", None)
+    h = probe_health(client, url, api_key=key, timeout=timeout_s)
+    if h.state == "up":
+        return None
+    if h.state == "down":
+        return BackendUnavailable("front", url, h.detail or "")
+    if h.status_code:
+        return BackendHTTPError("front", url, h.status_code, h.detail or "")
+    if "no answer" in (h.detail or ""):
+        return BackendTimeout("front", url, h.detail or "")
+    return refused
+
+
 def _ask_front(
     inv: LoadedInventory,
     client: httpx.Client,
@@ -232,26 +259,16 @@ def _ask_front(
             with make_backend(speaker, spec, api_key=key, client=hooked, timeout=timeout_s) as be:
                 be.generate(_PROBE)
             error: BackendError | None = None
-        except (BackendAuthError, BackendHTTPError) as exc:
-            # Generation refused (a key kdctl lacks, a route the engine lacks): its health
-            # route still tells whether an engine answers behind the front.
-            route = "/health"
-            last.pop("resp", None)
-            started = time.monotonic()
-            h = probe_health(hooked, url, api_key=key, timeout=timeout_s)
-            error = (
-                None
-                if h.state == "up"
-                else (
-                    BackendUnavailable("front", url, h.detail or "")
-                    if h.state == "down"
-                    else BackendHTTPError("front", url, h.status_code or 0, h.detail or "")
-                    if h.status_code
-                    else BackendTimeout("front", url, h.detail or "")
-                    if "no answer" in (h.detail or "")
-                    else exc
-                )
-            )
+        except BackendHTTPError as exc:
+            # The engine took the request and failed it: that is what a client gets, whatever
+            # its health route says. Only a route it lacks sends the probe to /health.
+            error = exc
+            if exc.status in _ROUTE_MISSING:
+                route, started = "/health", time.monotonic()
+                error = _health_instead(hooked, url, key, timeout_s, exc, last)
+        except BackendAuthError as exc:
+            route, started = "/health", time.monotonic()
+            error = _health_instead(hooked, url, key, timeout_s, exc, last)
         except BackendError as exc:
             error = exc
         except KdctlError as exc:
@@ -298,7 +315,7 @@ def _ask_front(
             if draining
             else f"answered HTTP {code}: no engine behind it answered"
             if code in (502, 504)
-            else f"answered HTTP {code}, not an engine's answer"
+            else f"answered HTTP {code} to {route}: a client's request fails there"
         )
         return FrontAnswer(
             url=url, route=route, answered=False, backend=who, status_code=code, detail=why

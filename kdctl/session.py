@@ -16,7 +16,7 @@ from types import TracebackType
 import httpx
 
 from kdctl.backends import Backend, HttpBackend, make_backend
-from kdctl.checks import GateResult, Provenance, provenance_for
+from kdctl.checks import Baseline, GateResult, Provenance, provenance_for
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.probes.identity import probe_host_identity, probe_weights
@@ -177,16 +177,15 @@ class Binder:
             }
         )
 
-    def bind_baseline(self, prov: Provenance, baseline: Provenance) -> Provenance:
-        return prov.model_copy(
-            update={"baseline_weights": baseline.weights, "baseline_host_id": baseline.host_id}
-        )
-
-    def bind_result(self, result: GateResult) -> GateResult:
-        """A result about to be recorded, bound to what its backend (and the baseline it was
-        compared with) serve now, as the engine describes itself."""
+    def bind_result(self, result: GateResult, recorded: Baseline | None = None) -> GateResult:
+        """A result about to be recorded, bound to what its backend serves now, as the engine
+        describes itself, and to the baseline it was compared with: the recorded run's own
+        identity where it was compared with one (what was measured then, not what serves
+        now), else the baseline engine's now."""
         prov = self.bind(result.backend, result.provenance)
-        if result.baseline is not None:
+        if recorded is not None:
+            prov = prov.with_baseline(recorded.provenance)
+        elif result.baseline is not None:
             (base,) = self.session.identify([result.baseline]).values()
-            prov = self.bind_baseline(prov, base.provenance)
+            prov = prov.with_baseline(base.provenance)
         return result.model_copy(update={"provenance": prov})

@@ -8,7 +8,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, PrivateAttr, SecretStr
 
-from kdctl.backends import EngineInfo, HealthResult, make_backend, probe_health
+from kdctl.backends import HEALTH_TIMEOUT_S, EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
 from kdctl.checks import provenance_for
 from kdctl.errors import KdctlError
@@ -55,6 +55,8 @@ class BackendStatus(BaseModel):
     served_name: str | None = None
     version: str | None = None
     tp_size: int
+    # Whether the engine itself reported tp_size; else it is the inventory's figure.
+    tp_size_reported: bool = False
     context_length: int | None = None
     identity: Literal["live", "declared"] = "declared"
     service: ServiceState | None = None
@@ -144,6 +146,7 @@ def _identify(
         if info.tp_size != spec.tp_size:
             notes.append(f"engine reports TP {info.tp_size}, inventory says {spec.tp_size}")
         status.tp_size = info.tp_size
+        status.tp_size_reported = True
     if spec.model and info.model and info.model != spec.model:
         notes.append(f"engine serves {info.model}, inventory says {spec.model}")
     status.detail = "; ".join(notes) or None
@@ -164,7 +167,8 @@ def status_report(
             serving=report.serving,
             session=session,
         ).answers
-    report.gates = latest_verdicts(inventory, store)
+        identities = session.identify(inventory.backends, timeout_s=min(deadline_s, 15.0))
+    report.gates = latest_verdicts(inventory, store, identities=identities)
     return report
 
 
@@ -229,7 +233,9 @@ def _collect(
                 base.detail = "no URL: not a served engine"
                 return base
             api_key = inventory.api_key(name)
-            health = probe_health(client, spec.url, api_key=api_key, timeout=min(deadline_s, 25.0))
+            health = probe_health(
+                client, spec.url, api_key=api_key, timeout=min(deadline_s, HEALTH_TIMEOUT_S)
+            )
             healths[name] = health
             status = base.model_copy(
                 update=health.model_dump(exclude={"status_code"})

@@ -97,9 +97,10 @@ def status_tables(report: StatusReport) -> Group:
             _t(b.url),
             state,
             _ms(b.latency_ms),
-            _t(b.model),
+            # What the engine did not say itself is marked as the inventory's word.
+            _t(b.model if b.identity == "live" or not b.model else f"{b.model} (inventory)"),
             _t(b.version),
-            str(b.tp_size),
+            str(b.tp_size) if b.tp_size_reported else f"{b.tp_size} (inventory)",
             _t(service),
             Text(b.detail or ""),
         )
@@ -134,16 +135,20 @@ def status_tables(report: StatusReport) -> Group:
     parts: list[Table | Text] = [hosts, backends, traffic]
     if report.gates:
         verdicts = Table(title="Latest gate verdicts", title_justify="left")
-        for col in ("backend", "gate", "baseline", "verdict", "age", "evidence"):
+        for col in ("backend", "gate", "baseline", "verdict", "age", "evidence", "still holds"):
             verdicts.add_column(col)
         for v in report.gates:
+            # A verdict about something no longer there is not shown in its verdict's colour.
+            style = _VERDICT_STYLE.get(v.verdict, "") if v.fresh is not False else "yellow"
+            holds = "-" if v.fresh is None else "yes" if v.fresh else (v.freshness or "no")
             verdicts.add_row(
                 _t(v.backend),
                 _t(v.gate),
                 _t(v.baseline),
-                Text(v.verdict, _VERDICT_STYLE.get(v.verdict, "")),
+                Text(v.verdict if v.fresh is not False else f"{v.verdict} (stale)", style),
                 v.age,
                 v.evidence_id[:12],
+                _t(holds),
             )
         parts.append(verdicts)
     if report.answers is not None:

@@ -4,6 +4,7 @@ module are the shipped roadmaps, and prompts/ their corpora."""
 
 from kdctl.roadmap._evaluate import (
     CriterionStatus,
+    FrontNow,
     Measured,
     PhaseReport,
     PhaseStatus,
@@ -23,6 +24,7 @@ from kdctl.roadmap._model import Criterion, Phase, RoadmapSpec
 __all__ = [
     "Criterion",
     "CriterionStatus",
+    "FrontNow",
     "Measured",
     "Phase",
     "PhaseReport",

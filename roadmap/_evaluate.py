@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -104,6 +104,28 @@ class PhaseReport(BaseModel):
         return [p for p in self.phases if p.status != "done"]
 
 
+@dataclass(frozen=True)
+class FrontNow:
+    """What a request through the router's front just found: the engine that answered (None
+    when none did or none is named), the weights the router reads back, and what was seen."""
+
+    backend: str | None
+    weights: dict[str, int]
+    detail: str
+
+    def promoted(self, backend: str) -> str | None:
+        """Why a recorded promotion of `backend` does not hold now; None when it does."""
+        if self.backend == backend and self.weights in ({}, {backend: 100}):
+            return None
+        if self.backend is None and self.weights == {backend: 100}:
+            return None
+        who = self.backend or "no engine it names"
+        return (
+            f"the front answers from {who} now, the router sending {self.weights or 'unknown'} "
+            f"({self.detail}): all traffic on {backend} no longer holds"
+        )
+
+
 def evaluate(
     roadmap: Roadmap,
     inv: LoadedInventory,
@@ -113,9 +135,12 @@ def evaluate(
     target: str | None = None,
     candidate: str | None = None,
     now: datetime | None = None,
+    front: FrontNow | None = None,
 ) -> PhaseReport:
     """`identify` asks backends what they serve; it is called once, for the backends that have
-    evidence to hold against them (asking an engine in command mode runs its binary)."""
+    evidence to hold against them (asking an engine in command mode runs its binary). `front`
+    is what the router's front answered just now: a recorded promotion holds only while it
+    still answers from the promoted engine."""
     now = now or utcnow()
     target = target or roadmap.target
     roadmap.phase(target)
@@ -132,7 +157,9 @@ def evaluate(
     criteria: dict[str, list[CriterionStatus]] = {
         phase_id: [
             _with_trend(
-                _criterion(c, inv, found[(c.phase, c.name)], _bound_identity(c, identities), now),
+                _criterion(
+                    c, inv, found[(c.phase, c.name)], _bound_identity(c, identities), now, front
+                ),
                 c,
                 histories[(c.phase, c.name)],
                 now,
@@ -263,12 +290,7 @@ def _bound_identity(c: ResolvedCriterion, identities: Mapping[str, Identity]) ->
     if mine is None or c.baseline is None or c.baseline not in identities:
         return mine
     base = identities[c.baseline].provenance
-    return replace(
-        mine,
-        provenance=mine.provenance.model_copy(
-            update={"baseline_weights": base.weights, "baseline_host_id": base.host_id}
-        ),
-    )
+    return replace(mine, provenance=mine.provenance.with_baseline(base))
 
 
 def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any]:
@@ -397,6 +419,7 @@ def _criterion(
     result: GateResult | None,
     identity: Identity | None,
     now: datetime,
+    front: FrontNow | None = None,
 ) -> CriterionStatus:
     window = parse_duration(c.spec.freshness) if c.spec.freshness else freshness_window(inv, c.gate)
     base: dict[str, Any] = {
@@ -435,6 +458,11 @@ def _criterion(
             result, window=window, current=identity.provenance, now=now, live=identity.live
         )
         fresh_ok, why = f.fresh, f.reason
+    if fresh_ok and front is not None and c.gate == "promotion" and result.verdict == "pass":
+        # A promotion says what the router did then; the front says what it does now.
+        moved = front.promoted(c.backend)
+        if moved is not None:
+            fresh_ok, why = False, f"stale: {moved}"
     if not fresh_ok:
         return CriterionStatus(
             **base, **evidence, values=values, met=False, state="stale", reason=why

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kdctl.checks.command import read_metrics
-from tests.conftest import kdctl, write_inventory
+from tests.conftest import Served, kdctl, write_inventory
 from tests.support.sshd import SshdFleet
 
 BENCH = (
@@ -58,11 +58,43 @@ def test_thresholds_on_a_programs_json(tmp_path: Path) -> None:
     assert code == 0 and result["verdict"] == "pass", result["reasons"]
     values = {m["name"]: m["value"] for m in result["metrics"]}
     assert values == {"kernels.gemm_w4a16_tflops": 512.5, "kernels.failed_tests": 0}
+    # Nothing listens on native's URL: the figures are not tied to a build, and say so.
+    assert "native did not say what it serves" in result["reasons"][-1]
+    assert (
+        "engine_version" not in result["provenance"] or not result["provenance"]["engine_version"]
+    )
     code, result = command_gate(inv, "other")
     assert (
         result["verdict"] == "skipped"
         and "no command checks apply to other" in result["reasons"][0]
     )
+
+
+def test_a_result_is_bound_to_the_engine_build_that_answered(
+    tmp_path: Path, reference_server: Served
+) -> None:
+    """A rebuilt engine makes a program's figures about the old build stale: the result
+    records the version the engine reported while its checks ran."""
+    inv = write_inventory(
+        tmp_path / "inventory.yaml",
+        {
+            "hosts": {"box": {"transport": "local"}},
+            "backends": {"engine": {"kind": "sglang", "host": "box", "url": reference_server.url}},
+            "gates": {
+                "commands": {
+                    "kernels": {
+                        "command": ["sh", "-c", BENCH],
+                        "thresholds": {"failed_tests": "== 0"},
+                    }
+                }
+            },
+            "state_dir": "state",
+        },
+    )
+    code, result = command_gate(inv, "engine")
+    assert code == 0, result["reasons"]
+    assert result["provenance"]["engine_version"].startswith("kdctl-reference")
+    assert not any("did not say what it serves" in r for r in result["reasons"])
 
 
 def test_a_missed_threshold_a_missing_metric_and_a_failing_exit(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.conftest import Served, engine_pair, kdctl, need_module, write_inventory
+from tests.support.faulty import replay, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
@@ -207,6 +208,70 @@ def test_baseline_stopped_router_up_is_nothing(
     assert "no engine behind it answered" in got["line"]
     assert "baseline (weight 100) is down (connection refused)" in got["line"]
     assert "candidate is up and receives no traffic" in got["line"]
+
+
+@pytest.fixture
+def failing_engine() -> Iterator[str]:
+    """An engine whose health route answers 200 and which fails every generation with HTTP
+    500, as SGLang does once a CUDA error has poisoned its scheduler."""
+    server = serve(
+        replay(
+            {
+                ("GET", "/health"): (200, b"", "text/plain"),
+                ("POST", "/generate"): (
+                    500,
+                    b'{"error": {"message": "CUDA error: an illegal memory access"}}',
+                    "application/json",
+                ),
+            }
+        )
+    )
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_an_engine_that_fails_every_generation_serves_nothing(
+    tmp_path: Path, need_nginx: str, twin_server: Served, failing_engine: str
+) -> None:
+    """Its health says up; what a client gets is a 500. The health route stands in for
+    generation only where generation is not there (404, 405) or kdctl lacks the key."""
+    front = Front(tmp_path, need_nginx, {"baseline": failing_engine, "candidate": twin_server.url})
+    front.start({"baseline": 100})
+    try:
+        got = front.ask()
+    finally:
+        front.stop()
+    s = got["serving"]
+    assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None), s
+    assert s["front"]["route"] == "/generate" and s["front"]["status_code"] == 500
+    assert "answered HTTP 500 to /generate" in got["line"], got["line"]
+    assert "a one-token generation fails" in got["line"], got["line"]
+    assert got["cutover"] is False
+
+
+def test_a_changed_router_is_confirmed_only_by_an_engines_answer(
+    tmp_path: Path, need_nginx: str, twin_server: Served, closed_port: str
+) -> None:
+    """nginx names the upstream it tried on its 502 too: the read-back of a change to a dead
+    engine must not take that 502 for the engine's answer."""
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic import RouterError
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    front = Front(tmp_path, need_nginx, {"baseline": twin_server.url, "candidate": closed_port})
+    front.start({"candidate": 100})
+    try:
+        inv = load_inventory(front.inv)
+        with TransportPool(inv) as pool:
+            router = NginxRouter(inv, inv.spec.router, pool.get("local"))  # type: ignore[arg-type]
+            with pytest.raises(RouterError, match="still answers from \\[None"):
+                router.confirm({"candidate": 100}, deadline_s=1.0)
+            front.include.write_text(front.render({"baseline": 100}))
+            front.reload()
+            assert router.confirm({"baseline": 100}).weights == {"baseline": 100}
+    finally:
+        front.stop()
 
 
 def test_router_stopped_is_nothing_even_with_engines_up(

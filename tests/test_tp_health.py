@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kdctl.checks.tp_health import (
     gpu_findings,
@@ -269,10 +272,15 @@ def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
         "busbw_gbps": (None, None),
         "small_latency_us": (57.131, None),  # torch's launch of a one-rank no-op
     }
-    assert result["reasons"][0].startswith(
+    # No service in the inventory: whose memory it is cannot be told, and the result says so.
+    assert result["reasons"][0] == (
+        "engine memory: any process's counts; engine has no service in the inventory whose "
+        "processes could be told apart"
+    )
+    assert result["reasons"][1].startswith(
         "all-reduce on nccl on one rank: it runs, 57.1 us at 16 KiB; NCCL 2.28.9"
     )
-    assert result["reasons"][1] == (
+    assert result["reasons"][2] == (
         "one rank: no link is crossed, so bus bandwidth was not measured, and neither the sums "
         "nor the small-message latency is judged"
     )
@@ -289,6 +297,56 @@ def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
     assert code == 1 and result["reasons"][0] == (
         "GPU 0: no process holds memory (is the engine running on this rank?)"
     )
+
+
+def test_engine_memory_is_the_engines_own_processes(tmp_path: Path) -> None:
+    """With a service in the inventory, memory on a TP GPU counts only when the engine's own
+    process tree holds it: the busy H200 replayed, its two processes relabelled first as a
+    child of the engine's running service here, then left as another program's."""
+    engine = subprocess.Popen(["sh", "-c", "sleep 120 & wait"])
+    try:
+        time.sleep(0.3)
+        child = int(
+            subprocess.run(
+                ["ps", "-o", "pid=", "--ppid", str(engine.pid)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()[0]
+        )
+        pidfile = tmp_path / "engine.pid"
+        pidfile.write_text(str(engine.pid))
+        inv = inventory(
+            tmp_path,
+            tp=1,
+            gpus=1,
+            python=str(REPLAY / "allreduce-replay"),
+            max_small_latency_us=30,
+            min_busbw_gbps=35,
+        )
+        data = yaml.safe_load(inv.read_text())
+        data["backends"]["engine"]["service"] = {
+            "command": "sh -c 'sleep 120 & wait'",
+            "pidfile": str(pidfile),
+            "log": str(tmp_path / "engine.log"),
+        }
+        write_inventory(inv, data)
+        apps = (BUSY / "query-apps-nounits.csv").read_text()
+        owned = tmp_path / "owned"
+        shutil.copytree(BUSY, owned)
+        (owned / "query-apps-nounits.csv").write_text(apps.replace("538,", f"{child},", 1))
+        code, result = tp_health(inv, env=_replay_env(owned))
+        assert code == 0 and result["verdict"] == "pass", result["reasons"]
+        assert not any("any process's counts" in r for r in result["reasons"])
+        code, result = tp_health(inv, env=_replay_env(BUSY))
+        assert code == 1, result["reasons"]
+        assert result["reasons"][0] == (
+            "GPU 0: memory is held by pid 538, 540, none of them the engine's "
+            "(is another engine on this rank?)"
+        )
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 def test_a_kernel_log_it_cannot_read_is_not_taken_for_no_xids(fleet: SshdFleet) -> None:

@@ -275,6 +275,38 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
     status = kdctl("status", "-i", inv, "--json")
     assert json.loads(status.out)["traffic"]["weights"] == {"candidate": 100}
 
+    # The promotion ends a phase only while the front still answers from the candidate: once
+    # traffic is moved back outside kdctl (nginx's file restored by hand), it no longer holds.
+    promoted_roadmap = front["root"].parent / "promoted.yaml"
+    promoted_roadmap.write_text(
+        yaml.safe_dump(
+            {
+                "title": "Promotion",
+                "serving": "baseline",
+                "candidate": "candidate",
+                "phases": [{"id": "moved", "title": "Moved", "criteria": [{"gate": "promotion"}]}],
+            }
+        )
+    )
+
+    def moved() -> dict[str, Any]:
+        run = kdctl("phases", "-i", inv, "--roadmap", str(promoted_roadmap), "--json")
+        (phase,) = json.loads(run.out)["phases"]
+        return dict(phase["criteria"][0])
+
+    assert moved()["state"] == "pass"
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    loaded = load_inventory(front["inv"])
+    with TransportPool(loaded) as pool:
+        router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        router.apply({"baseline": 100})
+    held = moved()
+    assert held["state"] == "stale", held
+    assert "the front answers from baseline now" in held["reason"], held["reason"]
+
 
 def test_second_cutover_is_refused_while_one_holds_the_lock(front: dict[str, Any]) -> None:
     from kdctl.traffic import SqliteJournal

@@ -102,7 +102,8 @@ def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
     """A cutover killed before its first write, then one that succeeded: the first is
     abandoned, not "in progress", and --resume has nothing to replay. A canary killed at 50/50,
     then a rollback killed inside its write: --resume finishes the rollback, the operator's
-    last order, never the canary. A router changed by hand since: --resume refuses."""
+    last order, never the canary. One begun unforced whose criteria fail since, or a router
+    changed by hand since: --resume refuses."""
     from kdctl.traffic import SqliteJournal
 
     inv = str(front["inv"])
@@ -146,8 +147,21 @@ def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
     assert resumed.code == 1, resumed.out + resumed.err  # the cutover ends rolled back
     assert "rolled_back" in resumed.out and weights(front["include"]) == {"baseline": 100}
 
-    # Killed at 50/50 again; then someone sends everything to the candidate by hand.
+    # Killed at 50/50 again. Had it started with every criterion met (unforced), a resume
+    # assesses the candidate again and, its criteria unmet now, changes nothing.
     _kill_when(canary, db, done_50, 1)
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("UPDATE cutovers SET forced = 0 WHERE state = 'running'")
+    conn.close()
+    held = kdctl("cutover", "--resume", "--yes", "-i", inv)
+    assert held.code == 1, held.out + held.err
+    assert "resuming cutover" in held.err and "to candidate refused:" in held.err, held.err
+    assert "--force overrides" in held.err
+    assert weights(front["include"]) == {"baseline": 50, "candidate": 50}
+    # Then someone sends everything to the candidate by hand.
     from kdctl.inventory import load_inventory
     from kdctl.traffic.nginx import NginxRouter
     from kdctl.transports import TransportPool

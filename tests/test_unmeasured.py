@@ -70,7 +70,9 @@ def test_a_benchmark_that_printed_infinity_measured_nothing(tmp_path: Path) -> N
     assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
     assert result["details"]["kernels"]["verdict"] == "inconclusive"
     assert result["reasons"] == [
-        "kernels: metric 'gemm_w4a16_tflops' is Infinity, not a finite number: '>= 500' not judged"
+        "kernels: metric 'gemm_w4a16_tflops' is Infinity, not a finite number: '>= 500' not judged",
+        "native did not say what it serves: this result is tied to its host and checkpoint, "
+        "not to an engine build",
     ]
     values = {m["name"]: m["value"] for m in result["metrics"]}
     assert values == {"kernels.gemm_w4a16_tflops": None, "kernels.failed_tests": 0}
@@ -95,6 +97,8 @@ def test_a_program_that_printed_no_metrics_is_inconclusive_and_a_crash_fails(
     assert result["reasons"] == [
         "silent: no JSON object on stdout",
         "silent: metric 'failed_tests' is missing: '== 0' not judged",
+        "native did not say what it serves: this result is tied to its host and checkpoint, "
+        "not to an engine build",
     ]
     crashed = inventory(
         tmp_path,

@@ -78,6 +78,7 @@ def test_openai_kind_against_vllm(vllm: str, llama: Path, report: Any) -> None:
     with make_backend("vllm", spec(vllm)) as be:
         info = be.info()
         assert info.served_name == "tiny" and info.context_length == 1024
+        assert info.tp_size is None  # the OpenAI API does not say; never the inventory's 1
         assert info.version  # vLLM's /version
         got_version = info.version
         got = be.generate(req)
@@ -137,8 +138,11 @@ def test_status_shows_vllm_with_model_and_version(
     assert backends["vllm"]["state"] == "up" and backends["vllm"]["version"]
     assert backends["vllm"]["model"].endswith("tiny-llama")
     assert backends["sglang"]["version"].startswith("kdctl-reference")
-    table = kdctl("status", "-i", str(inv))
+    # SGLang's server info says its TP; vLLM's API does not: its figure is the inventory's.
+    assert backends["sglang"]["tp_size_reported"] and not backends["vllm"]["tp_size_reported"]
+    table = kdctl("status", "-i", str(inv), env={"COLUMNS": "250"})
     assert backends["vllm"]["version"] in table.out and "tiny-llama" in table.out
+    assert "1 (inventory)" in table.out
 
 
 def test_throughput_records_a_run_on_vllm_and_judges_a_second_one(

@@ -39,7 +39,7 @@ from kdctl.errors import InputError
 
 VERSION = f"kdctl-reference {__version__}"
 # How long /health waits for the engine to be free for one step before it says "stuck": far
-# above one step of the tiny models, below the 5 s a health probe waits.
+# above one step of the tiny models, and short enough that a stuck engine says so quickly.
 HEALTH_WAIT_S = 3.0
 
 
@@ -229,6 +229,8 @@ def create_app(
                 "dtype": dtype,
                 "quantization": _quantization(model_dir),
                 "version": VERSION,
+                # A server argument since 0.5.10; older releases stream cumulative text.
+                "incremental_streaming_output": shape.incremental_text,
                 # SGLang's names for a separate draft model's speculative decoding.
                 "speculative_algorithm": "STANDALONE" if draft else None,
                 "speculative_draft_model_path": str(draft) if draft else None,
@@ -401,11 +403,11 @@ def create_app(
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         obj = "chat.completion" if chat else "text_completion"
         want_lp = (data.get("logprobs") is True) if chat else (data.get("logprobs") is not None)
-        as_ids = bool(data.get("return_tokens_as_token_ids"))
 
         def tok(token_id: int) -> str:
-            # vLLM's convention, which clients use to get ids back through token strings.
-            return f"token_id:{token_id}" if as_ids else got.decode([token_id])
+            # By text, as SGLang's OpenAI routes name them: it has no vLLM-style
+            # return_tokens_as_token_ids (docs/sglang-compatibility.md).
+            return got.decode([token_id])
 
         def usage(r: GenerateResult) -> dict[str, int]:
             return {
@@ -445,7 +447,6 @@ def create_app(
                 c["delta" if stream else "message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
-                c["token_ids"] = r.output_ids[start:]
             c["finish_reason"] = r.finish_reason if done else None
             c["matched_stop"] = r.matched_stop if done else None
             return c

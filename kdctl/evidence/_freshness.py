@@ -19,6 +19,7 @@ _IDENTITY = (
     "weights",
     "baseline_host_id",
     "baseline_weights",
+    "baseline_engine_version",
 )
 # A result that names the model it measured but carries no fingerprint of its weights, where
 # one can be read now, cannot say that what it measured is what is there.

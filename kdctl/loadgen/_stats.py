@@ -18,9 +18,10 @@ class RequestRecord:
     ok: bool = False
     error: str | None = None
     prompt_tokens: int = 0
-    # The server's count (usage / meta_info); the streamed count cross-checks it.
+    # The server's count (usage / meta_info); the streamed ids cross-check it, where the
+    # stream carries ids (None: it does not).
     output_tokens: int = 0
-    streamed_tokens: int = 0
+    streamed_tokens: int | None = 0
     ttft_s: float | None = None
     e2el_s: float | None = None
     # Gaps between successive token-bearing chunks, pooled over requests as vLLM does.
@@ -205,7 +206,11 @@ class BenchMetrics(BaseModel):
             itl_ms=Stats.of([g for r in done for g in r.itl_s]),
             e2el_ms=Stats.of([r.e2el_s for r in done if r.e2el_s is not None]),
             spec_accept_length=_accept_length(done),
-            token_count_mismatches=sum(1 for r in done if r.streamed_tokens != r.output_tokens),
+            token_count_mismatches=sum(
+                1
+                for r in done
+                if r.streamed_tokens is not None and r.streamed_tokens != r.output_tokens
+            ),
             short_outputs=sum(
                 1 for r in done if output_len is not None and r.output_tokens < output_len
             ),

@@ -10,6 +10,7 @@ from typing import ClassVar
 import httpx
 from pydantic import BaseModel
 
+from kdctl.backends import HEALTH_TIMEOUT_S
 from kdctl.errors import InfraError
 from kdctl.inventory import LoadedInventory, RouterSpec
 from kdctl.transports import Transport
@@ -78,10 +79,14 @@ class Router(abc.ABC):
         raise RouterError(f"router {self.kind} cannot drain")
 
     def probe(self, client: httpx.Client, path: str = "/health") -> str | None:
-        """Which backend answered one request through the front (None when none did)."""
+        """Which backend answered one request through the front (None when none did). The
+        front names the upstream it tried on every answer, a 502 of a dead one included: only
+        a success is an answer from it."""
         try:
-            r = client.get(self.front_url + path, timeout=5)
+            r = client.get(self.front_url + path, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
+            return None
+        if not r.is_success:
             return None
         return r.headers.get(BACKEND_HEADER) or None
 

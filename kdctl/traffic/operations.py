@@ -3,6 +3,7 @@ the lock, the journal, the plan, and the read-back of the router after every cha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import datetime
 
@@ -66,7 +67,7 @@ def cutover(
         journal.check_free()
         router = make_router(inv, s.pool)
         if resume:
-            return _resume(inv, store, router, journal, s, confirm, on_step)
+            return _resume(inv, store, router, journal, s, confirm, on_step, force)
         if to is None:
             raise InputError("--to: which backend to cut over to")
         plan = plan_cutover(
@@ -74,25 +75,25 @@ def cutover(
         )
         if dry_run:
             return plan
-        blocking = preflight(inv, store, to, session=s)
-        if blocking and not force:
-            raise Refused(
-                f"cutover to {to} refused: "
-                + "; ".join(blocking)
-                + " (every prerequisite needs passing fresh evidence; --force overrides)"
-            )
-        question = (
-            f"Cut over from {plan.from_backend} to {to} ({plan.strategy}, {len(plan.steps)} steps)?"
-        )
-        if blocking:
-            question = f"FORCE past {len(blocking)} unmet criteria: " + question
-        if not confirm(question):
-            raise Refused("cutover not confirmed; nothing changed")
+        # The lock is held from the readiness assessment to the last step, as terraform holds
+        # its state lock across the prompt: no other cutover can change what was assessed.
         with journal.locked():
-            # Read again under the lock: another cutover may have finished meanwhile.
             plan = plan_cutover(
                 inv, router, router.read(), to, strategy=strategy, weights=steps, watch_s=watch_s
             )
+            blocking = _cleared(inv, store, to, s, force, f"cutover to {to}")
+            question = (
+                f"Cut over from {plan.from_backend} to {to} "
+                f"({plan.strategy}, {len(plan.steps)} steps)?"
+            )
+            if blocking:
+                question = f"FORCE past {len(blocking)} unmet criteria: " + question
+            asked = time.monotonic()
+            if not confirm(question):
+                raise Refused("cutover not confirmed; nothing changed")
+            if time.monotonic() - asked > _ASSESSED_FOR_S:
+                # Readiness from before a person's wait is not readiness now.
+                blocking = _cleared(inv, store, to, s, force, f"cutover to {to}")
             cid = journal.begin(
                 plan.from_backend,
                 to,
@@ -106,6 +107,31 @@ def cutover(
             return runner.run(cid, plan)
 
 
+# How long a preflight's assessment stands while a confirmation is awaited; past it, the
+# engines are assessed again before the first step.
+_ASSESSED_FOR_S = 5.0
+
+
+def _cleared(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    to: str,
+    session: Session,
+    force: bool,
+    what: str,
+) -> list[str]:
+    """The criteria that keep `to` out, assessed now; Refused when there are any and nothing
+    forces past them."""
+    blocking = preflight(inv, store, to, session=session)
+    if blocking and not force:
+        raise Refused(
+            f"{what} refused: "
+            + "; ".join(blocking)
+            + " (every prerequisite needs passing fresh evidence; --force overrides)"
+        )
+    return blocking
+
+
 def _resume(
     inv: LoadedInventory,
     store: EvidenceStore,
@@ -114,6 +140,7 @@ def _resume(
     session: Session,
     confirm: Confirm,
     on_step: Callable[[int, Step], None] | None,
+    force: bool,
 ) -> CutoverOutcome:
     with journal.locked():
         # Only the operator's last order is resumed: an older interrupted cutover was replaced
@@ -151,11 +178,28 @@ def _resume(
                 "changed it since. Nothing changed: kdctl rollback returns traffic to "
                 f"{plan.from_backend}, or start a new cutover"
             )
-        if not confirm(
+        # The candidate is assessed again: the evidence that let the cutover start may have
+        # failed or gone stale since. One forced at its start stays forced.
+        blocking = _cleared(
+            inv,
+            store,
+            plan.to_backend,
+            session,
+            force or record.forced,
+            f"resuming cutover {record.id} to {plan.to_backend}",
+        )
+        question = (
             f"Resume cutover {record.id} ({plan.strategy} to {plan.to_backend}); the router "
             f"now sends {live.weights}; {len(record.done_steps)} of {len(plan.steps)} steps done?"
-        ):
+        )
+        if blocking:
+            question = f"FORCE past {len(blocking)} unmet criteria: " + question
+        if not confirm(question):
             raise Refused("resume not confirmed; nothing changed")
+        if blocking:
+            journal.step(
+                record.id, -1, "force", {"unmet": blocking}, "done", "forced past preflight"
+            )
         runner = Runner(inv, router, journal, store, session, on_step=on_step)
         return runner.run(record.id, plan, skip=record.done_steps)
 

@@ -48,6 +48,8 @@ class GateContext:
     # The recorded baselines the lookup handed out, by backend: a result compared with one is
     # bound to what that one measured.
     used_baselines: dict[str, Baseline] = field(default_factory=dict)
+    # Why recorded baselines were passed over, by backend: said where the gate then fails.
+    passed_over: dict[str, str] = field(default_factory=dict)
 
     def report(self, what: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -112,23 +114,23 @@ class Gate(abc.ABC):
         started: datetime,
     ) -> GateResult:
         """A run that could not measure: verdict error, saying why, with what was known."""
+        why = ctx.passed_over.get(baseline) if baseline is not None else None
         return self.result(
             ctx,
             backend,
             started=started,
             baseline=baseline,
             verdict="error",
-            reasons=[str(exc)],
+            reasons=[str(exc), *([why] if why else [])],
             info=info,
             workload=workload,
         )
 
 
 def engine_now(ctx: GateContext, backend: str) -> EngineInfo | None:
-    """Who the engine says it is while a host-level gate looks at its box, where it answers:
-    such a result is about the build that ran then."""
-    if ctx.inventory.backends[backend].url is None:
-        return None
+    """Who the engine says it is while a host-level gate looks at its box, where it answers
+    (a served engine over HTTP, one in command mode by running its binary): such a result is
+    about the build that ran then."""
     try:
         with ctx.backend(backend) as be:
             return be.info()

@@ -59,9 +59,15 @@ class ServingAnswer(ServingProbe):
     speed: str | None = None
     speed_criterion: str | None = None
     evidence_id: str | None = None
+    # Where the router splits traffic, the engine whose speed is judged (the one carrying the
+    # most) and its share: the probe's one answer may have come from either.
+    speed_of: str | None = None
+    speed_share: int | None = None
 
     def line(self) -> str:
         speed = f"; speed: {self.speed}" if self.speed else ""
+        if self.speed and self.speed_of is not None:
+            speed = f"; speed of {self.speed_of}, {self.speed_share}% of traffic: {self.speed}"
         if self.state == "serving":
             return f"Serving now: {self.detail}{speed}."
         if self.state == "degraded":
@@ -261,7 +267,27 @@ def _assess(
     if report is not None:
         # Traffic cannot move to an engine that does not answer, whatever its evidence says.
         cand = identify({report.candidate})[report.candidate]
-        if not cand.live:
+        serving_now = loaded.spec.serving if loaded is not None else None
+        swapped = (
+            serving_now is not None
+            and serving_now != report.candidate
+            and inv.backends[serving_now].shares_gpus_with(inv.backends[report.candidate])
+        )
+        if not cand.live and swapped:
+            # It cannot run while the engine it replaces holds its GPUs: a cutover is a swap,
+            # whose smoke gate judges it live before traffic reopens. Its criteria stand, held
+            # to what its host shows and the inventory declares, and it is said so.
+            report = report.model_copy(
+                update={
+                    "notes": [
+                        *report.notes,
+                        f"{report.candidate} is stopped: it shares GPUs with {serving_now}, so "
+                        "its evidence is held to what its host shows and the inventory declares; "
+                        "the swap's smoke gate judges it live before traffic reopens",
+                    ]
+                }
+            )
+        elif not cand.live:
             blocking.append(f"{report.candidate} is not answering: {cand.note}")
             # phases --json and every report carry the same verdict as answer 3.
             report = report.model_copy(update={"target_reachable": False})
@@ -344,6 +370,12 @@ def _serving(
     if probe.state not in ("serving", "degraded"):
         return answer
     who = probe.backend
+    weights = {n: w for n, w in (probe.routed.weights if probe.routed else {}).items() if w > 0}
+    if who is not None and len(weights) > 1:
+        # A split (a canary under way): the probe's one answer came from either engine, and
+        # the engine that carries most of the traffic is the one whose speed is served.
+        who = max(weights, key=lambda n: weights[n])
+        answer.speed_of, answer.speed_share = who, weights[who]
     if who is None:
         answer.speed_optimized = "unmeasured"
         answer.speed = "unmeasured (which engine answered is not known)"
@@ -436,9 +468,9 @@ def _front_now(probe: ServingProbe) -> FrontNow | None:
     where there is no router to ask (the promotion cannot be checked, nor was it made)."""
     if probe.routed is None:
         return None
-    answered = probe.answered is True
     return FrontNow(
-        backend=probe.backend if answered else None,
+        answered=probe.answered,
+        backend=probe.backend if probe.answered else None,
         weights={k: v for k, v in probe.routed.weights.items() if v > 0},
         detail=probe.front.detail if probe.front is not None else probe.detail,
     )

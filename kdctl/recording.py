@@ -42,15 +42,22 @@ def gate_context(
             if not found:
                 return None
             (now,) = s.identify([name]).values()
-            # An engine that answers is compared as it is now: a run recorded on another build,
-            # checkpoint or host measured something else. One that does not (stopped for a
-            # swap) is compared with its newest record, and the result carries that record's
-            # identity for freshness to hold against what is deployed.
-            chosen = (
-                next((b for b in found if not b.provenance.differs_from(now.provenance)), None)
-                if now.live
-                else found[0]
+            # A run recorded on another build, checkpoint, host or TP measured something else.
+            # An engine that answers is held to what it reports; one that does not (stopped
+            # for a swap) to what its host shows (the checkpoint's fingerprint, the host's id)
+            # and the inventory declares, and the result carries the record's identity for
+            # freshness to hold against what is deployed.
+            fields = None if now.live else ("weights", "host_id")
+            chosen = next(
+                (b for b in found if not b.provenance.differs_from(now.provenance, fields)), None
             )
+            if chosen is None:
+                ctx.passed_over[name] = (
+                    f"{len(found)} recorded {kind} baseline(s) of {name} passed over: not taken "
+                    f"on what it {'serves' if now.live else 'has'} now ("
+                    + "; ".join(found[0].provenance.differs_from(now.provenance, fields))
+                    + ")"
+                )
             if chosen is not None:
                 ctx.used_baselines[name] = chosen
             return chosen
@@ -102,6 +109,7 @@ def run_gates(
                 )
             else:
                 ctx.used_baselines.clear()
+                ctx.passed_over.clear()
                 result = cls().run(ctx, backend, baseline)
             result.settings = gate_settings(inv, name)
             recorded = ctx.used_baselines.get(baseline) if baseline is not None else None

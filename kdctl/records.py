@@ -127,11 +127,13 @@ class Provenance(BaseModel):
             }
         )
 
-    def differs_from(self, other: Provenance) -> list[str]:
-        """The identity fields both know and disagree on, as "field then -> now"."""
+    def differs_from(self, other: Provenance, fields: tuple[str, ...] | None = None) -> list[str]:
+        """The identity fields (of `fields`, else all) both know and disagree on, as
+        "field then -> now"."""
+        names = fields or ("engine_version", "model_path", "weights", "host_id", "tp_size")
         return [
             f"{name} {getattr(self, name)} -> {getattr(other, name)}"
-            for name in ("engine_version", "model_path", "weights", "host_id", "tp_size")
+            for name in names
             if getattr(self, name) is not None
             and getattr(other, name) is not None
             and getattr(self, name) != getattr(other, name)

@@ -423,6 +423,12 @@ def _judge(
             "rollback undoes it)",
         )
     notes += [f"{e.name} is up and receives no traffic" for e in idle_up]
+    if len(weighted) > 1 and routed.applied is not False:
+        # One request lands on one of them: which one answered says nothing of the rest.
+        split = ", ".join(
+            f"{e.name} {e.weight}%" for e in sorted(weighted, key=lambda e: -e.weight)
+        )
+        notes.insert(0, f"the router splits traffic ({split})")
     base = {
         "router": kind,
         "listen": listen,

@@ -87,6 +87,12 @@ class Session:
         """The engine was started or stopped: who it is must be asked again."""
         self._identities.pop(name, None)
 
+    def forget_all(self) -> None:
+        """Time has passed (a person's answer awaited): every engine, host and checkpoint is
+        asked again, since any of them may have been replaced meanwhile."""
+        self._identities.clear()
+        self.binder = Binder(self)
+
     def _declared(self, name: str, note: str) -> Identity:
         prov = provenance_for(self.inventory, name, None, None)
         return Identity(self.binder.bind(name, prov), live=False, note=note)

@@ -106,15 +106,20 @@ class PhaseReport(BaseModel):
 
 @dataclass(frozen=True)
 class FrontNow:
-    """What a request through the router's front just found: the engine that answered (None
-    when none did or none is named), the weights the router reads back, and what was seen."""
+    """What a request through the router's front just found: whether an engine's answer came
+    back, the engine that answered (None where the router names none), the weights the router
+    reads back, and what was seen."""
 
+    answered: bool | None
     backend: str | None
     weights: dict[str, int]
     detail: str
 
     def promoted(self, backend: str) -> str | None:
         """Why a recorded promotion of `backend` does not hold now; None when it does."""
+        if self.answered is not True:
+            now = "serves nothing" if self.answered is False else "cannot be asked from here"
+            return f"the front {now} ({self.detail}): all traffic on {backend} is not seen"
         if self.backend == backend and self.weights in ({}, {backend: 100}):
             return None
         if self.backend is None and self.weights == {backend: 100}:

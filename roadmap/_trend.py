@@ -27,6 +27,8 @@ Direction = Literal["toward", "away", "flat", "too few points"]
 # The recent points a slope is fitted to: progress months ago says little about next week.
 RECENT = 12
 MIN_POINTS = 3
+# A forecast from points hours apart extrapolates noise: the series must span a day.
+MIN_SPAN_DAYS = 1.0
 
 
 class TrendPoint(BaseModel):
@@ -113,7 +115,11 @@ def trend_of(
         if (v := _value(r.metrics, pattern, op)) is not None
     ]
     base = {"metric": pattern, "threshold": f"{op} {limit:g}", "points": len(points)}
-    recent = points[-RECENT:]
+    # One series is one host: a point measured on other hardware says nothing of where this
+    # one is heading (builds and checkpoints do change along it: that is what is forecast).
+    newest = points[-1] if points else None
+    series = [p for p in points if newest and p.host == newest.host]
+    recent = series[-RECENT:]
     if len(recent) < MIN_POINTS:
         return Trend(
             **base,
@@ -131,6 +137,14 @@ def trend_of(
         )
     t0 = recent[0].at
     days = [(p.at - t0).total_seconds() / 86400 for p in recent]
+    if days[-1] < MIN_SPAN_DAYS:
+        hours = days[-1] * 24
+        return Trend(
+            **base,
+            direction="too few points",
+            reason=f"no forecast: its {len(recent)} points span {hours:.1f} h, under a day",
+            history=points,
+        )
     values = [p.value for p in recent]
     fit = theilslopes(values, days)
     slope = float(fit.slope)  # type: ignore[attr-defined]
@@ -170,6 +184,14 @@ def trend_of(
     eta = crossing(slope)
     if eta is None or eta < at_last:
         trend.reason = "the fitted line already holds; the newest result does not"
+        return trend
+    if eta < now:
+        # The line crossed before today and the newest result still misses: the series has
+        # not moved as fitted since, so it forecasts nothing.
+        trend.reason = (
+            f"no forecast: the line crossed {eta:%Y-%m-%d}, before now, and no newer result "
+            "meets it"
+        )
         return trend
     trend.eta = eta
     fast, slow = crossing(high if rising else low), crossing(low if rising else high)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -202,6 +202,32 @@ def test_tampered_or_malformed_imports_are_refused(
     with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         import_evidence(target, path)
     assert target.results() == []  # nothing half-applied
+
+
+@pytest.mark.parametrize(
+    ("shift", "naive", "needle"),
+    [
+        (timedelta(hours=1), False, "min ahead of this machine's clock"),
+        (timedelta(0), True, "has no time zone"),
+    ],
+)
+def test_times_that_cannot_be_ordered_here_are_refused(
+    tmp_path: Path, shift: timedelta, naive: bool, needle: str
+) -> None:
+    """A box whose clock runs an hour ahead, or a file whose times carry no zone: its results
+    would outrank every later local one, or could not be compared at all. The whole file is
+    refused, naming the record and field."""
+    ended = datetime.now(timezone.utc) + shift
+    if naive:
+        ended = ended.replace(tzinfo=None)
+    box = SqliteStore(tmp_path / "box.sqlite")
+    box.record(result(verdict="pass").model_copy(update={"started_at": ended, "ended_at": ended}))
+    path = tmp_path / "e.json"
+    path.write_text(export_evidence(box).model_dump_json())
+    target = SqliteStore(tmp_path / "t.sqlite")
+    with pytest.raises(InputError, match=r"results\[0\]\.started_at: .*" + needle):
+        import_evidence(target, path)
+    assert target.results() == []
 
 
 def test_conflicting_id_refuses_the_whole_file(

@@ -133,3 +133,24 @@ def test_a_result_under_other_settings_does_not_meet_a_criterion(
     c = got["criterion"]
     assert c["state"] == "missing" and "under the settings it pins" in c["reason"], c
     assert c["pinned"]["max_new_tokens"] == 8 and c["pinned"]["mode"] == "strict"
+
+
+def test_a_promotion_holds_only_while_the_front_answers_from_it() -> None:
+    """What the front answered just now against a recorded promotion of native: an answer from
+    it with all traffic on it holds (also from a router that names no engine per answer);
+    another engine answering, a split, a front that serves nothing or cannot be asked do not."""
+    from kdctl.roadmap import FrontNow
+
+    def front(answered: bool | None, backend: str | None, weights: dict[str, int]) -> FrontNow:
+        return FrontNow(answered=answered, backend=backend, weights=weights, detail="seen")
+
+    assert front(True, "native", {"native": 100}).promoted("native") is None
+    assert front(True, None, {"native": 100}).promoted("native") is None
+    moved = front(True, "sglang", {"sglang": 100}).promoted("native")
+    assert moved is not None and moved.startswith("the front answers from sglang now")
+    split = front(True, "native", {"sglang": 95, "native": 5}).promoted("native")
+    assert split is not None and "'sglang': 95" in split
+    down = front(False, None, {"native": 100}).promoted("native")
+    assert down == "the front serves nothing (seen): all traffic on native is not seen"
+    unknown = front(None, None, {"native": 100}).promoted("native")
+    assert unknown is not None and "cannot be asked from here" in unknown

@@ -45,33 +45,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_sandbox_up_reuse_and_down(tmp_path: Path, need_nginx: str, sandbox_models: Path) -> None:
-    root = _sandbox_dir(tmp_path, sandbox_models)
-    first = kdctl("sandbox", "up", "--dir", str(root), "--json", timeout=600)
-    assert first.code == 0, first.out + first.err
-    doc = json.loads(first.out)
-    assert doc["up"] and doc["router"] == "nginx"
-    pids = {p["name"]: p["pid"] for p in doc["processes"]}
-    assert set(pids) == {"baseline", "candidate", "candidate-int4", "nginx"}
-    try:
-        again = kdctl("sandbox", "up", "--dir", str(root), "--json", timeout=600)
-        assert again.code == 0, again.err
-        assert {p["name"]: p["pid"] for p in json.loads(again.out)["processes"]} == pids
-        inv = str(root / "inventory.yaml")
-        status = kdctl("status", "-i", inv, "--json")
-        backends = {b["name"]: b["state"] for b in json.loads(status.out)["backends"]}
-        assert backends == {"baseline": "up", "candidate": "up", "candidate-int4": "up"}
-        assert json.loads(status.out)["traffic"]["weights"] == {"baseline": 100}
-        serving = json.loads(status.out)["answers"]["serving"]
-        assert (serving["state"], serving["backend"]) == ("serving", "baseline")
-    finally:
-        down = kdctl("sandbox", "down", "--dir", str(root), "--json")
-    assert down.code == 0, down.err
-    assert not any(p["running"] for p in json.loads(down.out)["processes"])
-    assert not any(_alive(pid) for pid in pids.values())
-    assert kdctl("sandbox", "status", "--dir", str(root)).code == 1
-
-
 def test_sandbox_with_sglang_router_cuts_over_blue_green(
     tmp_path: Path, sandbox_models: Path
 ) -> None:
@@ -107,13 +80,41 @@ def test_sandbox_with_sglang_router_cuts_over_blue_green(
     assert down.code == 0 and not any(p["running"] for p in json.loads(down.out)["processes"])
 
 
+def _up_reused_and_read(root: Path) -> dict[str, int]:
+    """`sandbox up`, then again: the second reuses every process; status reads them all up,
+    the router sending all to the baseline. The processes' pids."""
+    first = kdctl("sandbox", "up", "--dir", str(root), "--json", timeout=600)
+    assert first.code == 0, first.out + first.err
+    doc = json.loads(first.out)
+    assert doc["up"] and doc["router"] == "nginx"
+    pids = {p["name"]: p["pid"] for p in doc["processes"]}
+    assert set(pids) == {"baseline", "candidate", "candidate-int4", "nginx"}
+    again = kdctl("sandbox", "up", "--dir", str(root), "--json", timeout=600)
+    assert again.code == 0, again.err
+    assert {p["name"]: p["pid"] for p in json.loads(again.out)["processes"]} == pids
+    inv = str(root / "inventory.yaml")
+    status = kdctl("status", "-i", inv, "--json")
+    backends = {b["name"]: b["state"] for b in json.loads(status.out)["backends"]}
+    assert backends == {"baseline": "up", "candidate": "up", "candidate-int4": "up"}
+    assert json.loads(status.out)["traffic"]["weights"] == {"baseline": 100}
+    serving = json.loads(status.out)["answers"]["serving"]
+    assert (serving["state"], serving["backend"]) == ("serving", "baseline")
+    return pids
+
+
 # The README's first command, end to end: the demo's story on the sandbox, its outputs
 # checked. In this file because it binds the sandbox's fixed ports too (one test worker runs
-# a file).
+# a file). The sandbox it tells the story on is brought up first and reused by the demo's own
+# `up`, and its `down` leaves no process behind.
 def test_the_demo_tells_the_whole_story(
     tmp_path: Path, need_nginx: str, sandbox_models: Path
 ) -> None:
     sandbox = _sandbox_dir(tmp_path, sandbox_models)
+    try:
+        pids = _up_reused_and_read(sandbox)
+    except BaseException:
+        kdctl("sandbox", "down", "--dir", str(sandbox))
+        raise
     env = {
         **os.environ,
         "VENV": str(Path(sys.executable).parent.parent),
@@ -169,7 +170,11 @@ def test_the_demo_tells_the_whole_story(
     probe = re.search(r"probe load: (\d+) requests, (\d+) failed", out)
     assert probe and int(probe.group(1)) > 0 and probe.group(2) == "0", out[-2000:]
     assert (sandbox / "report" / "report.html").stat().st_size > 1000
-    # Nothing it started is left running.
+    # The demo's `up` reused what was up before it; its `down` left nothing running.
+    for name in ("baseline", "candidate", "candidate-int4"):
+        assert re.search(rf"^{name}\s+running, pid {pids[name]}\s", out, re.M), out[:2000]
     for pidfile in (sandbox / "run").glob("*.pid"):
         pytest.fail(f"{pidfile} left behind")
     assert not (sandbox / "nginx" / "nginx.pid").exists()
+    assert not any(_alive(pid) for pid in pids.values())
+    assert kdctl("sandbox", "status", "--dir", str(sandbox)).code == 1

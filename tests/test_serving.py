@@ -274,6 +274,40 @@ def test_a_changed_router_is_confirmed_only_by_an_engines_answer(
         front.stop()
 
 
+def test_sglang_routers_worker_api_faults_are_router_errors(
+    tmp_path: Path, silent_engine: str, closed_port: str
+) -> None:
+    """SGLang's router refusing connections, or taking them and never answering: each is a
+    RouterError naming the router and the call, never an httpx error escaping untyped."""
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic import RouterError
+    from kdctl.traffic.sglang_router import SGLangRouter
+    from kdctl.transports import TransportPool
+
+    for url, said in ((closed_port, "ConnectError"), (silent_engine, "ReadTimeout")):
+        listen = url.removeprefix("http://")
+        inv = write_inventory(
+            tmp_path / f"{said}.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": engine_pair(closed_port, f"http://127.0.0.1:{free_port()}"),
+                "router": {
+                    "kind": "sglang-router",
+                    "host": "local",
+                    "listen": listen,
+                    "serving": "baseline",
+                },
+            },
+        )
+        loaded = load_inventory(inv)
+        with TransportPool(loaded) as pool, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(SGLangRouter, "call_timeout_s", 0.5)
+            router = SGLangRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
+            with pytest.raises(RouterError) as got:
+                router.read()
+        assert f"sglang-router at {url}: GET /workers: {said}" in str(got.value)
+
+
 def test_router_stopped_is_nothing_even_with_engines_up(
     tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
 ) -> None:
@@ -321,6 +355,26 @@ def test_candidate_up_but_routed_nothing(
     )
     assert "candidate is up and receives no traffic" in got["line"]
     assert got["line"].endswith("speed: the baseline.")
+
+
+def test_a_split_says_so_and_judges_the_engine_carrying_most(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> None:
+    """A canary at 95/5: the probe's one answer may come from either engine, so line 1 names
+    the split, and the speed it judges is that of the engine carrying most of the traffic."""
+    urls = {"baseline": reference_server.url, "candidate": twin_server.url}
+    front = Front(tmp_path, need_nginx, urls)
+    front.start({"baseline": 95, "candidate": 5})
+    try:
+        run = kdctl("status", "-i", str(front.inv), "--json", "--timeout", "2")
+        text = kdctl("status", "-i", str(front.inv), "--timeout", "2").out
+    finally:
+        front.stop()
+    s = json.loads(run.out)["answers"]["serving"]
+    assert s["state"] == "serving" and s["backend"] in ("baseline", "candidate")
+    assert "the router splits traffic (baseline 95%, candidate 5%)" in s["detail"]
+    assert (s["speed_of"], s["speed_share"], s["speed_optimized"]) == ("baseline", 95, "baseline")
+    assert "speed of baseline, 95% of traffic: the baseline" in " ".join(text.split())
 
 
 def test_hand_edited_config_reports_what_runs(

@@ -158,3 +158,19 @@ def test_the_reference_server_answers_in_each_releases_shape(shaped: tuple[str, 
         m = run_load(be, [req] * 3, LoadPlan(max_concurrency=2, warmup_requests=0, timeout_s=60))
         assert (m.completed, m.failed, m.total_output_tokens) == (3, 0, 18), m.errors
         assert be.info().context_length == 2048
+
+        # api-conformance's info probes: the /get_ names where the release has only those,
+        # and of /server_info (hundreds of server arguments, changing by release) only the
+        # keys it compares.
+        from kdctl.checks.api_conformance import PROBES, answer
+
+        probes = {p.name: p for p in PROBES}
+        with httpx.Client() as c:
+            for name, old in (
+                ("model_info", "/get_model_info"),
+                ("server_info", "/get_server_info"),
+            ):
+                got = answer(c, be, probes[name], "tiny")
+                assert got["status"] == 200, (version, name, got)
+                assert got.get("path") == (None if SHAPES[version].info_routes else old), version
+        assert set(got["body"]) == set(probes["server_info"].keys or ()), got["body"]

@@ -156,3 +156,25 @@ def test_a_speculative_candidate_is_measured_on_text_and_random_ids_are_inconclu
     plain = _gate(_inventory(tmp_path, reference_server, twin_server))
     assert not any("text corpus" in r for r in plain["reasons"]), plain["reasons"]
     assert not any(m["name"].endswith("spec_accept_length") for m in plain["metrics"])
+
+
+def test_the_shipped_text_corpus_is_what_its_readme_says() -> None:
+    """roadmap/README.md describes mixed.jsonl by its counts: held to the file, so neither
+    drifts from the other."""
+    import collections
+
+    from kdctl.roadmap import __file__ as roadmap_init
+
+    folder = Path(roadmap_init).parent
+    rows = [json.loads(line) for line in (folder / "prompts" / "mixed.jsonl").open()]
+    assert len({r["id"] for r in rows}) == len(rows) == 320
+    assert collections.Counter(r["category"] for r in rows) == {
+        "chat": 110,
+        "code": 100,
+        "math": 70,
+        "long": 40,
+    }
+    assert len({r["prompt"] for r in rows}) == 320
+    assert max(len(r["prompt"]) for r in rows) <= 2300
+    readme = (folder / "README.md").read_text()
+    assert "320 prompts, 110 chat, 100 code, 70 math and 40 long" in readme

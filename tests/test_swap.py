@@ -147,6 +147,17 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         inv = swap.inv
         plan = kdctl("cutover", "--to", "candidate-int4", "--dry-run", "-i", inv)
         assert "plan: swap" in plan.out and "need the same GPUs" in plan.out
+        # Stopped because it shares the baseline's GPU: that alone does not block answer 3;
+        # its criteria do, and the report says how it is held.
+        phased = json.loads(
+            kdctl("phases", "-i", inv, "--candidate", "candidate-int4", "--json").out
+        )
+        blocking = phased["answers"]["cutover"]["blocking"]
+        assert not any("is not answering" in b for b in blocking), blocking
+        assert any("exactness" in b for b in blocking), blocking
+        assert any(
+            "candidate-int4 is stopped: it shares GPUs with baseline" in n for n in phased["notes"]
+        )
         forced = ("--force", "--yes", "-i", inv)
         bad = kdctl("cutover", "--to", "candidate-int4", *forced, "--json", timeout=600)
         assert bad.code == 1, bad.out + bad.err

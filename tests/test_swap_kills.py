@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.conftest import kdctl, need_module
 from tests.test_swap import TOKEN, swap_setup
@@ -31,6 +32,12 @@ def test_swap_killed_after_each_journal_row_then_resumed_or_rolled_back(
 
     with swap_setup(need_nginx, models, tmp_path) as swap, pytest.MonkeyPatch.context() as mp:
         mp.setenv("KDCTL_TEST_HUB_TOKEN", TOKEN)
+        # A prerequisite the candidate never meets (no one signs off), so that every round is
+        # forced and journals the same rows; the smoke gates of earlier rounds would otherwise
+        # give it passing evidence, and a later swap would start unforced, one row shorter.
+        roadmap = yaml.safe_load((tmp_path / "roadmap.yaml").read_text())
+        roadmap["phases"][0]["criteria"].append({"name": "signed", "gate": "sign-off"})
+        (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(roadmap, sort_keys=False))
         inv = swap.inv
         db = tmp_path / "state" / "traffic.sqlite"
         args = ["cutover", "--to", "candidate", "--force", "--yes", "-i", inv]

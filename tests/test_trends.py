@@ -202,6 +202,23 @@ def test_falling_away_gives_no_date(tmp_path: Path) -> None:
     assert "moving away" in answers["cutover"]["soon"]["detail"]
 
 
+def test_no_date_from_points_minutes_apart(tmp_path: Path) -> None:
+    """Three runs minutes apart put 1.0 a quarter of an hour away: noise, not a trend."""
+    inv = _setup(tmp_path, [(0.003, 0.82, "b1"), (0.002, 0.83, "b1"), (0.001, 0.84, "b1")])
+    c, _ = _criterion(inv)
+    assert c["trend"]["eta"] is None and "under a day" in c["trend"]["reason"], c["trend"]
+
+
+def test_no_date_from_a_crossing_already_past(tmp_path: Path) -> None:
+    """Three results months old whose line crossed weeks ago, nothing newer meeting it: the
+    date would be in the past, so there is none."""
+    inv = _setup(tmp_path, [(120, 0.5, "b1"), (110, 0.7, "b2"), (100, 0.9, "b3")])
+    c, answers = _criterion(inv)
+    assert c["trend"]["eta"] is None, c["trend"]
+    assert "before now" in c["trend"]["reason"], c["trend"]["reason"]
+    assert answers["cutover"]["soon"]["eta"] is None
+
+
 def test_two_points_give_no_date(tmp_path: Path) -> None:
     inv = _setup(tmp_path, [(10, 0.5, "b1"), (1, 0.7, "b2")])
     c, answers = _criterion(inv)

@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import json
 import os
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -123,7 +123,33 @@ def read_evidence_file(path: Path, *, require_signed: bool = False) -> EvidenceF
             raise InputError(f"{path}: {ENV_KEY} is set but the file carries no HMAC; refusing it")
         if not hmac.compare_digest(_mac(key, doc.digest), doc.hmac_sha256):
             raise InputError(f"{path}: HMAC does not verify with {ENV_KEY}; refusing it")
+    _check_times(path, doc)
     return doc
+
+
+# How far ahead of this machine's clock a record may end: beyond it, the exporting box's
+# clock is wrong, and its results would sort as the newest here long after they were taken.
+MAX_CLOCK_SKEW = timedelta(minutes=5)
+
+
+def _check_times(path: Path, doc: EvidenceFile) -> None:
+    """Every time in the file has a zone and none is in this machine's future: a naive time
+    cannot be compared with any other, and a future one outranks every later local result."""
+    now = utcnow()
+    stamps = [
+        (f"results[{i}].{name}", getattr(r, name))
+        for i, r in enumerate(doc.results)
+        for name in ("started_at", "ended_at")
+    ] + [(f"baselines[{i}].created_at", b.created_at) for i, b in enumerate(doc.baselines)]
+    for where, at in stamps:
+        if at.tzinfo is None:
+            raise InputError(f"{path}: {where}: {at.isoformat()} has no time zone; refusing it")
+        if at - now > MAX_CLOCK_SKEW:
+            ahead = int((at - now).total_seconds() // 60)
+            raise InputError(
+                f"{path}: {where}: {at.isoformat()} is {ahead} min ahead of this machine's "
+                "clock: the exporting box's clock is wrong; refusing it"
+            )
 
 
 def import_evidence(store: EvidenceStore, path: Path, *, require_signed: bool = False) -> Imported:

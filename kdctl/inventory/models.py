@@ -261,6 +261,11 @@ class BackendSpec(_Model):
     def command_argv(self) -> list[str]:
         return [] if self.command is None else split_command(self.command)
 
+    def shares_gpus_with(self, other: BackendSpec) -> bool:
+        """Whether the two need some of the same GPUs of one host: one must stop before the
+        other can start."""
+        return self.host == other.host and bool(set(self.gpus) & set(other.gpus))
+
 
 class RouterSpec(_Model):
     kind: Literal["nginx", "sglang-router"]

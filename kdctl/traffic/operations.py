@@ -92,7 +92,9 @@ def cutover(
             if not confirm(question):
                 raise Refused("cutover not confirmed; nothing changed")
             if time.monotonic() - asked > _ASSESSED_FOR_S:
-                # Readiness from before a person's wait is not readiness now.
+                # Readiness from before a person's wait is not readiness now: nothing the
+                # session learnt before it is taken on trust.
+                s.forget_all()
                 blocking = _cleared(inv, store, to, s, force, f"cutover to {to}")
             cid = journal.begin(
                 plan.from_backend,

@@ -90,8 +90,8 @@ class Plan(BaseModel):
     steps: list[Step]
 
 
-def _overlap(a: BackendSpec, b: BackendSpec) -> bool:
-    return a.host == b.host and bool(set(a.gpus) & set(b.gpus))
+def _worst(so_far: float | None, now: float | None) -> float | None:
+    return now if so_far is None else so_far if now is None else max(so_far, now)
 
 
 def plan_cutover(
@@ -116,7 +116,7 @@ def plan_cutover(
     if src == to:
         raise InputError(f"{to} already takes all traffic")
     caps = router.capabilities
-    shared = _overlap(inv.backends[src], inv.backends[to])
+    shared = inv.backends[src].shares_gpus_with(inv.backends[to])
     if strategy is None:
         if shared:
             strategy, why = "swap", f"{src} and {to} need the same GPUs on {inv.backends[to].host}"
@@ -144,7 +144,8 @@ def plan_cutover(
             raise InputError(f"--steps {weights}: weights must rise and end at 100")
         for w in weights:
             steps.append(Step(kind="set-weights", weights={src: 100 - w, to: w}))
-            if w < 100:
+            # --watch 0 asks for no watch: no step that would report a window never measured.
+            if w < 100 and watch_s > 0:
                 steps.append(Step(kind="watch", seconds=watch_s))
     else:
         # A swap stops one engine and starts the other, and a rollback starts the first again:
@@ -302,7 +303,9 @@ class Runner:
         engine_before = engine_counters(self.inv, plan.to_backend)
         deadline = time.monotonic() + seconds
         failed = sent = 0
-        worst_ttft = worst_itl = 0.0
+        # None until a window measures one: an unmeasured percentile is not 0 ms.
+        worst_ttft: float | None = None
+        worst_itl: float | None = None
         try:
             while time.monotonic() < deadline:
                 reqs = [
@@ -314,8 +317,8 @@ class Runner:
                 m = run_load(be, reqs, LoadPlan(max_concurrency=2, timeout_s=60))
                 sent += m.requests
                 failed += m.failed
-                worst_ttft = max(worst_ttft, getattr(m.ttft_ms, pct) or 0.0)
-                worst_itl = max(worst_itl, getattr(m.itl_ms, pct) or 0.0)
+                worst_ttft = _worst(worst_ttft, getattr(m.ttft_ms, pct))
+                worst_itl = _worst(worst_itl, getattr(m.itl_ms, pct))
                 with httpx.Client() as client:
                     health = probe_health(
                         client,
@@ -343,6 +346,11 @@ class Runner:
             window = engine_after.minus(engine_before)
             if window.requests is not None:
                 watch["engine_requests"] = window.requests
+                if window.requests <= 0:
+                    watch["engine_note"] = (
+                        f"{plan.to_backend} served no request in the window (its own counter): "
+                        "its share of the probes was not measured"
+                    )
             engine_ms, note, breach = engine_ttft(window, pct, settings.slo_ttft_ms)
             if engine_ms is not None:
                 watch[f"engine_ttft_{pct}_ms"] = round(engine_ms, 2)
@@ -354,10 +362,10 @@ class Runner:
                     f"SLO breach during the canary: {plan.to_backend}'s own {breach}"
                 )
         self.watches.append(watch)
-        return (
-            f"{sent} probe requests, {failed} failed, "
-            f"TTFT {pct} {worst_ttft:.0f} ms, ITL {pct} {worst_itl:.1f} ms"
-        )
+        ttft = "not measured" if worst_ttft is None else f"{worst_ttft:.0f} ms"
+        itl = "not measured" if worst_itl is None else f"{worst_itl:.1f} ms"
+        said = f"{sent} probe requests, {failed} failed, TTFT {pct} {ttft}, ITL {pct} {itl}"
+        return said + (f"; {watch['engine_note']}" if "engine_note" in watch else "")
 
     def _undo(self, cid: str, plan: Plan, reason: str) -> Literal["failed", "rolled_back"]:
         """Back to the old backend: one router write; for a swap, the new engine stopped and

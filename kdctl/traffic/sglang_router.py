@@ -47,11 +47,15 @@ class SGLangRouter(Router):
         weights=False, blue_green=True, read_back=True, drain=False
     )
     wait_s: ClassVar[float] = 60.0
+    # One call of the worker API; a router that takes longer is reported, not waited on.
+    call_timeout_s: ClassVar[float] = 10.0
 
     def _client(self) -> httpx.Client:
         # The router's own key, where it requires one, on its worker API as on its front.
         return httpx.Client(
-            base_url=self.front_url, timeout=10, headers=bearer(self.inv.router_api_key())
+            base_url=self.front_url,
+            timeout=self.call_timeout_s,
+            headers=bearer(self.inv.router_api_key()),
         )
 
     def _call(self, client: httpx.Client, method: str, path: str, **kw: Any) -> httpx.Response:

@@ -107,6 +107,14 @@ class Front:
             stop_nginx(self.pidfile)
             self.pidfile = None
 
+    def ask_while_up(self, weights: dict[str, int]) -> dict[str, Any]:
+        """nginx started sending `weights`, asked, stopped."""
+        self.start(weights)
+        try:
+            return self.ask()
+        finally:
+            self.stop()
+
     def ask(self) -> dict[str, Any]:
         """status, phases and report, each as JSON and as text; they must agree."""
         inv = str(self.inv)
@@ -194,11 +202,7 @@ def test_baseline_stopped_router_up_is_nothing(
     tmp_path: Path, need_nginx: str, twin_server: Served, closed_port: str
 ) -> None:
     front = Front(tmp_path, need_nginx, {"baseline": closed_port, "candidate": twin_server.url})
-    front.start({"baseline": 100})
-    try:
-        got = front.ask()
-    finally:
-        front.stop()
+    got = front.ask_while_up({"baseline": 100})
     s = got["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
     assert s["routed"]["weights"] == {"baseline": 100}
@@ -236,11 +240,7 @@ def test_an_engine_that_fails_every_generation_serves_nothing(
     """Its health says up; what a client gets is a 500. The health route stands in for
     generation only where generation is not there (404, 405) or kdctl lacks the key."""
     front = Front(tmp_path, need_nginx, {"baseline": failing_engine, "candidate": twin_server.url})
-    front.start({"baseline": 100})
-    try:
-        got = front.ask()
-    finally:
-        front.stop()
+    got = front.ask_while_up({"baseline": 100})
     s = got["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None), s
     assert s["front"]["route"] == "/generate" and s["front"]["status_code"] == 500
@@ -341,11 +341,7 @@ def test_candidate_up_but_routed_nothing(
 ) -> None:
     urls = {"baseline": reference_server.url, "candidate": twin_server.url}
     front = Front(tmp_path, need_nginx, urls)
-    front.start({"baseline": 100})
-    try:
-        got = front.ask()
-    finally:
-        front.stop()
+    got = front.ask_while_up({"baseline": 100})
     s = got["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("serving", True, "baseline")
     assert s["front"]["route"] == "/generate" and s["front"]["status_code"] == 200
@@ -399,6 +395,32 @@ def test_hand_edited_config_reports_what_runs(
     s = applied["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
     assert "candidate (weight 100) is down" in applied["line"]
+
+
+def test_rollback_to_an_engine_that_does_not_answer_is_not_said_done(
+    tmp_path: Path, need_nginx: str, twin_server: Served, closed_port: str
+) -> None:
+    """The router already sends everything back to the baseline (changed by hand), and the
+    baseline is down: the rollback has nothing to write, and still does not say "rolled back"
+    until the baseline answers through the front; it says what the front does instead."""
+    front = Front(tmp_path, need_nginx, {"baseline": closed_port, "candidate": twin_server.url})
+    front.start({"baseline": 100})
+    inv = str(front.inv)
+    try:
+        # A cutover in the journal, from the dead baseline to the candidate.
+        moved = kdctl(
+            "cutover", "--to", "candidate", "--strategy", "blue-green", "--force", "--yes",
+            "-i", inv,
+        )  # fmt: skip
+        assert moved.code == 0, moved.out + moved.err
+        front.include.write_text(front.render({"baseline": 100}))
+        front.reload()
+        back = kdctl("rollback", "--yes", "-i", inv)
+    finally:
+        front.stop()
+    assert back.code == 3, back.out + back.err
+    assert "rolled back" not in back.out
+    assert "still answers from [None, None, None], not only ['baseline']" in back.err, back.err
 
 
 def test_no_router_reports_which_engines_answer(

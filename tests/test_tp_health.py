@@ -72,6 +72,18 @@ def inventory(tmp_path: Path, *, tp: int, gpus: int = 0, **settings: Any) -> Pat
     )
 
 
+def busy_inventory(tmp_path: Path) -> Path:
+    """One rank on the busy H200's GPU, its NCCL probe replayed, with the budgets it ran under."""
+    return inventory(
+        tmp_path,
+        tp=1,
+        gpus=1,
+        python=str(REPLAY / "allreduce-replay"),
+        max_small_latency_us=30,
+        min_busbw_gbps=35,
+    )
+
+
 def tp_health(inv: Path, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     run = kdctl("gate", "run", "tp-health", "-b", "engine", "-i", str(inv), "--json", env=env)
     assert run.out, run.err
@@ -254,14 +266,7 @@ def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
     one rank no link is crossed, so bus bandwidth is not measured (not 0 GB/s) and neither the
     sums nor the latency of torch's no-op launch (57 us, against a 30 us budget for a link) is
     judged."""
-    inv = inventory(
-        tmp_path,
-        tp=1,
-        gpus=1,
-        python=str(REPLAY / "allreduce-replay"),
-        max_small_latency_us=30,
-        min_busbw_gbps=35,
-    )
+    inv = busy_inventory(tmp_path)
     code, result = tp_health(inv, env=_replay_env(BUSY))
     assert code == 0 and result["verdict"] == "pass", result["reasons"]
     metrics = {m["name"]: (m["value"], m["threshold"]) for m in result["metrics"]}
@@ -316,14 +321,7 @@ def test_engine_memory_is_the_engines_own_processes(tmp_path: Path) -> None:
         )
         pidfile = tmp_path / "engine.pid"
         pidfile.write_text(str(engine.pid))
-        inv = inventory(
-            tmp_path,
-            tp=1,
-            gpus=1,
-            python=str(REPLAY / "allreduce-replay"),
-            max_small_latency_us=30,
-            min_busbw_gbps=35,
-        )
+        inv = busy_inventory(tmp_path)
         data = yaml.safe_load(inv.read_text())
         data["backends"]["engine"]["service"] = {
             "command": "sh -c 'sleep 120 & wait'",

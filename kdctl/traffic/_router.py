@@ -78,6 +78,15 @@ class Router(abc.ABC):
     def drain(self) -> RouterState:
         raise RouterError(f"router {self.kind} cannot drain")
 
+    def confirm(self, weights: dict[str, int], *, deadline_s: float = 10.0) -> RouterState:
+        """The live state, checked to send `weights`; RouterError where it does not. A router
+        whose read-back is the running router itself needs nothing more; one whose read-back
+        is a file (nginx) probes its front too."""
+        state = self.read()
+        if state.weights != {k: v for k, v in weights.items() if v > 0} or state.draining:
+            raise RouterError(f"read back {state.weights}, not {weights}")
+        return state
+
     def probe(self, client: httpx.Client, path: str = "/health") -> str | None:
         """Which backend answered one request through the front (None when none did). The
         front names the upstream it tried on every answer, a 502 of a dead one included: only

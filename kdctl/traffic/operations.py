@@ -259,7 +259,10 @@ def rollback(
             live = router.read()
             unchanged = live.weights == {record.from_backend: 100} and not live.draining
             if unchanged and live.applied is not False:
-                # Nothing to write, but an interrupted cutover still ends here, in the journal.
+                # Nothing to write, but the old engine must still be seen answering through
+                # the front before "rolled back" is said; an interrupted cutover still ends
+                # here, in the journal.
+                live = router.confirm({record.from_backend: 100})
                 if record.state == "running":
                     journal.finish(record.id, "rolled_back", "kdctl rollback: router unchanged")
                     journal.supersede(f"superseded by the rollback of {record.id}")

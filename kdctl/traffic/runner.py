@@ -342,8 +342,18 @@ class Runner:
         # The candidate's own view of the window: how many requests it served (all traffic,
         # not only the probe's), and their TTFT percentile from its histogram's buckets.
         engine_after = engine_counters(self.inv, plan.to_backend)
-        if engine_before is not None and engine_after is not None:
-            window = engine_after.minus(engine_before)
+        window = (
+            engine_after.minus(engine_before)
+            if engine_before is not None and engine_after is not None
+            else None
+        )
+        if window is not None and window.went_back():
+            # Counters only rise: lower ones mean another process (a restart) behind the URL.
+            watch["engine_note"] = (
+                f"{plan.to_backend}'s counters went back during the window (restarted?): "
+                "its own view of it was not read"
+            )
+        elif window is not None:
             if window.requests is not None:
                 watch["engine_requests"] = window.requests
                 if window.requests <= 0:
@@ -457,6 +467,12 @@ class EngineCounters:
 
     requests: float | None
     ttft_buckets: dict[float, float]
+
+    def went_back(self) -> bool:
+        """Whether this window, as a difference, has a counter below zero."""
+        return (self.requests is not None and self.requests < 0) or any(
+            n < 0 for n in self.ttft_buckets.values()
+        )
 
     def minus(self, before: EngineCounters) -> EngineCounters:
         """What was counted between `before` and this reading."""
@@ -609,8 +625,10 @@ def restore(
     # A file that says so but was never loaded (kdctl killed before the reload) is no proof.
     if live.weights == {plan.from_backend: 100} and not live.draining and live.applied is not False:
         # The failed step never took: rewriting the router would only be a needless reload.
+        # That the old engine answers through it is still shown, not taken from the file.
+        confirmed = router.confirm({plan.from_backend: 100})
         record_step("done", "unchanged")
-        return live
+        return confirmed
     record_step("started")
     state = router.apply(weights)
     record_step("done", str(state.weights))

@@ -50,6 +50,8 @@ class GateContext:
     used_baselines: dict[str, Baseline] = field(default_factory=dict)
     # Why recorded baselines were passed over, by backend: said where the gate then fails.
     passed_over: dict[str, str] = field(default_factory=dict)
+    # The baseline is not asked live, only through what it recorded (stopped for a swap).
+    recorded_only: bool = False
 
     def report(self, what: str, done: int, total: int) -> None:
         if self.progress is not None:

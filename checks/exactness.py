@@ -185,6 +185,17 @@ class ExactnessGate(Gate):
             source = (
                 f"golden outputs recorded {golden.created_at:%Y-%m-%d %H:%M}Z" if golden else ""
             )
+            if golden is None and ctx.recorded_only:
+                why = ctx.passed_over.get(baseline) or f"{baseline} has none recorded"
+                return self.result(
+                    ctx,
+                    backend,
+                    started=started,
+                    baseline=baseline,
+                    verdict="skipped",
+                    reasons=[f"exactness not checked: no usable golden outputs ({why})"],
+                    workload=workload,
+                )
             if golden is None:
                 with ctx.backend(baseline) as base_be:
                     base_out = generate_outputs(base_be, corpus, settings)

@@ -101,10 +101,12 @@ def memory_findings(
         here = sorted(p.pid for p in processes if p.gpu_index == i and (p.used_memory_mib or 0))
         if not here:
             found.append(f"GPU {i}: no process holds memory (is the engine running on this rank?)")
+        elif engine is not None and not engine:
+            found.append(f"GPU {i}: memory is held, but the engine's service is stopped")
         elif engine is not None and not engine.intersection(here):
             found.append(
-                f"GPU {i}: memory is held by pid {', '.join(map(str, here))}, none of them the "
-                "engine's (is another engine on this rank?)"
+                f"GPU {i}: memory is held by pid {', '.join(map(str, here))}, none of them in "
+                "the engine's process tree (another engine on this rank, or one in a container?)"
             )
     return found
 
@@ -116,11 +118,14 @@ def engine_processes(transport: Transport, service: Any) -> set[int] | None:
     if service is None:
         return None
     state = probe_service(transport, service)
-    if state.state != "running":
+    if state.state == "stopped":
         return set()
-    if state.pid is None:
+    if state.state != "running" or state.pid is None:
+        return None  # unknown or starting: whose memory it is cannot be told
+    try:
+        listed = transport.run(["ps", "-e", "-o", "pid=,ppid="], timeout=10)
+    except KdctlError:
         return None
-    listed = transport.run(["ps", "-e", "-o", "pid=,ppid="], timeout=10)
     if not listed.ok:
         return None
     children: dict[int, list[int]] = {}
@@ -326,8 +331,8 @@ class TpHealthGate(Gate):
                 failures += memory_findings(probe.processes, tp_gpus, owners)
                 if owners is None and tp_gpus:
                     reasons.append(
-                        f"engine memory: any process's counts; {backend} has no service in the "
-                        "inventory whose processes could be told apart"
+                        f"engine memory: any process's counts; {backend}'s processes could not be "
+                        "told apart (no service in the inventory, or its state unknown)"
                     )
                 xids = probe_xids(transport)
                 fresh, unreadable = new_xids(

@@ -268,10 +268,13 @@ def _assess(
         # Traffic cannot move to an engine that does not answer, whatever its evidence says.
         cand = identify({report.candidate})[report.candidate]
         serving_now = loaded.spec.serving if loaded is not None else None
+        # Stopped for a swap only while the engine holding its GPUs answers: with that one
+        # down too, nothing explains the candidate's silence.
         swapped = (
             serving_now is not None
             and serving_now != report.candidate
             and inv.backends[serving_now].shares_gpus_with(inv.backends[report.candidate])
+            and identify({serving_now})[serving_now].live
         )
         if not cand.live and swapped:
             # It cannot run while the engine it replaces holds its GPUs: a cutover is a swap,
@@ -370,8 +373,10 @@ def _serving(
     if probe.state not in ("serving", "degraded"):
         return answer
     who = probe.backend
-    weights = {n: w for n, w in (probe.routed.weights if probe.routed else {}).items() if w > 0}
-    if who is not None and len(weights) > 1:
+    routed = probe.routed
+    weights = {n: w for n, w in (routed.weights if routed else {}).items() if w > 0}
+    # Only a split the router runs: a file written and not applied describes nothing served.
+    if who in weights and len(weights) > 1 and routed is not None and routed.applied is not False:
         # A split (a canary under way): the probe's one answer came from either engine, and
         # the engine that carries most of the traffic is the one whose speed is served.
         who = max(weights, key=lambda n: weights[n])

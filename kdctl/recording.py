@@ -32,6 +32,7 @@ def gate_context(
     progress: ProgressHook | None = None,
     *,
     session: Session | None = None,
+    recorded_only: bool = False,
 ) -> Iterator[GateContext]:
     """What a gate runs with; `inv` may carry other gate settings than the session's (a
     roadmap criterion's own), never other hosts or backends."""
@@ -69,6 +70,7 @@ def gate_context(
             progress=progress,
             transport=s.transport,
             last_result=store.latest,
+            recorded_only=recorded_only,
         )
         yield ctx
 
@@ -83,8 +85,11 @@ def run_gates(
     on_start: Callable[[str], None] | None = None,
     progress: ProgressHook | None = None,
     session: Session | None = None,
+    recorded_only: bool = False,
 ) -> list[GateResult]:
-    """Run one gate or `all`, record every result as evidence, and return them."""
+    """Run one gate or `all`, record every result as evidence, and return them. With
+    `recorded_only`, a baseline is compared only through what it recorded, never asked live
+    (it is stopped: a swap's smoke gate)."""
     check_names(inv, backend, baseline)
     names = (
         sorted(n for n, g in gates().items() if g.runnable)
@@ -92,7 +97,10 @@ def run_gates(
         else [gate_class(gate).name]
     )
     results = []
-    with using(inv, session) as s, gate_context(inv, store, progress, session=s) as ctx:
+    with (
+        using(inv, session) as s,
+        gate_context(inv, store, progress, session=s, recorded_only=recorded_only) as ctx,
+    ):
         for name in names:
             cls = gate_class(name)
             if on_start:
@@ -114,7 +122,10 @@ def run_gates(
             result.settings = gate_settings(inv, name)
             recorded = ctx.used_baselines.get(baseline) if baseline is not None else None
             result = s.binder.bind_result(result, recorded)
-            store.record(result)
+            # A comparison not made for want of a record is no evidence either way: it must not
+            # stand as the newest result over an earlier measured one.
+            if not (recorded_only and result.verdict == "skipped"):
+                store.record(result)
             results.append(result)
     return results
 

@@ -150,7 +150,7 @@ def trend_of(
     slope = float(fit.slope)  # type: ignore[attr-defined]
     low, high = float(fit.low_slope), float(fit.high_slope)  # type: ignore[attr-defined]
     intercept = float(fit.intercept)  # type: ignore[attr-defined]
-    regression = _regression(points, days, values, op, theilslopes)
+    regression = _regression(recent, days, values, op, theilslopes)
     rising = op in (">=", ">")
     span = max(days[-1] - days[0], 1e-9)
     # Flat: over the span it was watched, the line moved less than 1% of the threshold.

@@ -24,7 +24,7 @@ from kdctl.backends.errors import (
 )
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
-from tests.conftest import FIXTURES, Served, need_module
+from tests.conftest import FIXTURES, Served, kdctl, need_module, write_inventory
 from tests.support.faulty import Bursty, Endless, recorded, replay, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
@@ -249,8 +249,6 @@ def test_status_shows_model_version_and_tp(
 ) -> None:
     import json
 
-    from tests.conftest import kdctl, write_inventory
-
     inv = write_inventory(
         tmp_path / "inv.yaml",
         {
@@ -296,6 +294,23 @@ def test_sglang_health_generate_and_openai_routes(reference_server: Served) -> N
         # Its top logprobs are named by text, as SGLang's are: no ids to compare.
         with pytest.raises(BackendProtocolError, match="use the sglang kind"):
             oa.generate(GREEDY)
+
+
+def test_the_health_gate_on_sglangs_openai_routes(reference_server: Served, tmp_path: Path) -> None:
+    """The openai kind on SGLang's OpenAI routes gets no token ids back: the one-token health
+    check is judged on the server's own count, and passes."""
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {"v1": {"kind": "openai", "host": "local", "url": reference_server.url}},
+            "state_dir": "state",
+        },
+    )
+    run = kdctl("gate", "run", "health", "-b", "v1", "-i", str(inv), "--json")
+    (result,) = json.loads(run.out)["results"]
+    assert run.code == 0 and result["verdict"] == "pass", result["reasons"]
+    assert {m["name"]: m["value"] for m in result["metrics"]}["one_token_completion_tokens"] == 1
 
 
 def test_concurrent_requests_are_each_correct(reference_server: Served, engine) -> None:  # type: ignore[no-untyped-def]

@@ -413,13 +413,27 @@ def test_rollback_to_an_engine_that_does_not_answer_is_not_said_done(
             "-i", inv,
         )  # fmt: skip
         assert moved.code == 0, moved.out + moved.err
-        front.include.write_text(front.render({"baseline": 100}))
-        front.reload()
+        from kdctl.inventory import load_inventory
+        from kdctl.traffic import RouterError, SqliteJournal
+        from kdctl.traffic.nginx import NginxRouter
+        from kdctl.transports import TransportPool
+
+        loaded = load_inventory(front.inv)
+        with TransportPool(loaded) as pool:
+            router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
+            # Written and applied by hand; the dead baseline cannot confirm it.
+            with pytest.raises(RouterError):
+                router.apply({"baseline": 100})
         back = kdctl("rollback", "--yes", "-i", inv)
     finally:
         front.stop()
     assert back.code == 3, back.out + back.err
     assert "rolled back" not in back.out
+    with SqliteJournal(tmp_path / "state") as journal:
+        latest = journal.latest()
+    # Nothing to write: the router was not touched, only asked.
+    assert latest is not None
+    assert not any(s.kind == "rollback-set-weights" for s in latest.steps), latest.steps
     assert "still answers from [None, None, None], not only ['baseline']" in back.err, back.err
 
 

@@ -279,8 +279,8 @@ def test_gate_on_the_replayed_busy_h200(tmp_path: Path) -> None:
     }
     # No service in the inventory: whose memory it is cannot be told, and the result says so.
     assert result["reasons"][0] == (
-        "engine memory: any process's counts; engine has no service in the inventory whose "
-        "processes could be told apart"
+        "engine memory: any process's counts; engine's processes could not be told apart (no "
+        "service in the inventory, or its state unknown)"
     )
     assert result["reasons"][1].startswith(
         "all-reduce on nccl on one rank: it runs, 57.1 us at 16 KiB; NCCL 2.28.9"
@@ -339,8 +339,8 @@ def test_engine_memory_is_the_engines_own_processes(tmp_path: Path) -> None:
         code, result = tp_health(inv, env=_replay_env(BUSY))
         assert code == 1, result["reasons"]
         assert result["reasons"][0] == (
-            "GPU 0: memory is held by pid 538, 540, none of them the engine's "
-            "(is another engine on this rank?)"
+            "GPU 0: memory is held by pid 538, 540, none of them in the engine's process tree "
+            "(another engine on this rank, or one in a container?)"
         )
     finally:
         engine.kill()

@@ -121,15 +121,17 @@ def _cleared(
     session: Session,
     force: bool,
     what: str,
+    then: str = "",
 ) -> list[str]:
     """The criteria that keep `to` out, assessed now; Refused when there are any and nothing
-    forces past them."""
+    forces past them, with `then` saying what the traffic is left doing."""
     blocking = preflight(inv, store, to, session=session)
     if blocking and not force:
         raise Refused(
             f"{what} refused: "
             + "; ".join(blocking)
             + " (every prerequisite needs passing fresh evidence; --force overrides)"
+            + then
         )
     return blocking
 
@@ -189,6 +191,12 @@ def _resume(
             session,
             force or record.forced,
             f"resuming cutover {record.id} to {plan.to_backend}",
+            (
+                f". The front is draining (clients get 503 with Retry-After): kdctl rollback "
+                f"returns traffic to {plan.from_backend}"
+            )
+            if live.draining
+            else "",
         )
         question = (
             f"Resume cutover {record.id} ({plan.strategy} to {plan.to_backend}); the router "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
@@ -144,20 +145,20 @@ class SGLangBackend(HttpBackend):
         return self._result(self.http.json("POST", "/generate", self._body(req, stream=False)))
 
     def stream_call(self, req: GenerateRequest) -> StreamCall:
-        reader = _CumulativeReader(incremental=self._incremental_text())
+        reader = _CumulativeReader(incremental=self._incremental_text)
         return StreamCall("/generate", self._body(req, stream=True), reader.read)
 
+    @cached_property
     def _incremental_text(self) -> bool | None:
         """Whether streamed text is only what is new, as the server's own arguments say
         (`incremental_streaming_output`), asked once; None where it does not say."""
-        if not hasattr(self, "_text_mode"):
-            try:
-                server = self._info("/server_info", "/get_server_info")
-                flag = server.get("incremental_streaming_output")
-            except BackendError:
-                flag = None
-            self._text_mode = flag if isinstance(flag, bool) else None
-        return self._text_mode
+        try:
+            flag = self._info("/server_info", "/get_server_info").get(
+                "incremental_streaming_output"
+            )
+        except BackendError:
+            return None
+        return flag if isinstance(flag, bool) else None
 
 
 class _CumulativeReader:

@@ -49,17 +49,14 @@ def gate_context(
             # and the inventory declares, and the result carries the record's identity for
             # freshness to hold against what is deployed.
             fields = None if now.live else ("weights", "host_id")
-            chosen = next(
-                (b for b in found if not b.provenance.differs_from(now.provenance, fields)), None
-            )
+            gaps = [b.provenance.differs_from(now.provenance, fields) for b in found]
+            chosen = next((b for b, gap in zip(found, gaps, strict=True) if not gap), None)
             if chosen is None:
                 ctx.passed_over[name] = (
                     f"{len(found)} recorded {kind} baseline(s) of {name} passed over: not taken "
-                    f"on what it {'serves' if now.live else 'has'} now ("
-                    + "; ".join(found[0].provenance.differs_from(now.provenance, fields))
-                    + ")"
+                    f"on what it {'serves' if now.live else 'has'} now ({'; '.join(gaps[0])})"
                 )
-            if chosen is not None:
+            else:
                 ctx.used_baselines[name] = chosen
             return chosen
 

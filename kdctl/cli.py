@@ -47,13 +47,17 @@ reference_app = typer.Typer(
 )
 app.add_typer(reference_app, name="reference")
 
-# Piped output (CI logs, `| less`) gets full-width tables instead of rich's 80 columns.
-out = Console(
-    highlight=False,
-    width=None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200),
-)
-# Progress goes to stderr, so `--json` and piped tables on stdout stay clean.
-err = Console(stderr=True, highlight=False)
+
+def _consoles() -> tuple[Console, Console]:
+    """The consoles a command prints on, read from the environment it runs in (not the one
+    the module was imported in). Piped output (CI logs, `| less`) gets full-width tables
+    instead of rich's 80 columns; progress goes to stderr, so `--json` and piped tables on
+    stdout stay clean."""
+    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200)
+    return Console(highlight=False, width=width), Console(stderr=True, highlight=False)
+
+
+out, err = _consoles()
 
 InventoryOpt = Annotated[
     Path | None,
@@ -791,6 +795,8 @@ def reference_batch(
 def main() -> None:
     from kdctl._redact import ScrubbingStream
 
+    global out, err
+    out, err = _consoles()
     # Whatever kdctl prints passes a scrubber: an engine's log quoted in an error, a result's
     # reasons, a table. Consoles are built on these streams below.
     sys.stdout = out.file = cast(TextIO, ScrubbingStream(sys.stdout))

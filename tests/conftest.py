@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import atexit
 import os
 
 # Every engine the tests start (reference servers, the sandbox's, vLLM) shares two cores with the
@@ -23,6 +24,7 @@ from kdctl.backends.reference import serve_argv
 from kdctl.errors import InfraError
 from tests.support.postgres import Cluster, pg_bin, start_cluster, stop_cluster
 from tests.support.sshd import SSHD, SshdFleet
+from tests.support.warm import WarmCli
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -63,12 +65,24 @@ class Run:
     err: str
 
 
+_WARM: WarmCli | None = None
+
+
 def kdctl(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> Run:
-    """Run the real CLI in a new process, as a user would."""
+    """Run the real CLI in a new process, as a user would: a fork of a server that has
+    imported kdctl already (tests/support/warm.py), or a cold `python -m kdctl` where the
+    command's interpreter start-up would differ, or KDCTL_TEST_COLD_CLI is set."""
+    global _WARM
     # Wide and fixed, whatever the runner's terminal (pytest-xdist's workers have 80 columns).
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    if not os.environ.get("KDCTL_TEST_COLD_CLI"):
+        if _WARM is None:
+            _WARM = WarmCli()
+            atexit.register(_WARM.close)
+        if _WARM.suits(full_env):
+            return Run(*_WARM.run(list(args), full_env, str(cwd or Path.cwd()), timeout))
     proc = subprocess.run(
         [sys.executable, "-m", "kdctl", *args],
         capture_output=True,

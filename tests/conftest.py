@@ -117,6 +117,15 @@ def ssh_home(root: Path) -> dict[str, str]:
     return {"HOME": str(root / "home")}
 
 
+def local_host_id() -> str | None:
+    """This machine's identity as kdctl reads it: what a result measured here carries, so
+    that a hand-made record stands for one a gate run here would have made."""
+    from kdctl.probes.identity import probe_host_identity
+    from kdctl.transports.local import LocalTransport
+
+    return probe_host_identity(LocalTransport("local"))
+
+
 def write_inventory(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

@@ -532,6 +532,9 @@ def _kill_when(args: list[str], db: Path, sql: str, want: int) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    # Below this poller's priority: on a loaded machine the poller, not the process it
+    # watches, gets the core, so the kill lands between row `want` and the next.
+    os.setpriority(os.PRIO_PROCESS, proc.pid, 5)
     deadline = time.monotonic() + 120
     conn: sqlite3.Connection | None = None
     try:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kdctl.evidence import ENV_URL
-from tests.conftest import _need, kdctl, need_module, write_inventory
+from tests.conftest import _need, kdctl, local_host_id, need_module, write_inventory
 from tests.support.chromium import CHROMIUM, colours, screenshot
 from tests.support.sshd import free_port
 
@@ -77,6 +77,7 @@ def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
     )
     settings = gate_settings(load_inventory(inv_path), "throughput")
     now = datetime.now(timezone.utc)
+    here = local_host_id()
     with SqliteStore(tmp_path / "ci.sqlite") as ci:
         for days_ago, ratio, version in series:
             ended = now - timedelta(days=days_ago)
@@ -87,7 +88,13 @@ def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
                     baseline="baseline",
                     verdict="pass" if ratio >= 1.0 else "fail",
                     metrics=[Metric(name="c8.ratio", value=ratio, threshold=1.0, comparison=">=")],
-                    provenance=Provenance(engine_version=version, model_path="tiny", host="local"),
+                    provenance=Provenance(
+                        engine_version=version,
+                        model_path="tiny",
+                        host="local",
+                        host_id=here,
+                        baseline_host_id=here,
+                    ),
                     settings=settings,
                     started_at=ended - timedelta(minutes=5),
                     ended_at=ended,

@@ -21,9 +21,10 @@ _IDENTITY = (
     "baseline_weights",
     "baseline_engine_version",
 )
-# A result that names the model it measured but carries no fingerprint of its weights, where
-# one can be read now, cannot say that what it measured is what is there.
-_BOUND = ("weights", "baseline_weights")
+# A result that names the model (or host) it measured but carries no fingerprint of its weights
+# (or no identity of the machine), where one can be read now, cannot say that what it measured
+# is what is there: a stripped or hand-made record would otherwise count on any box.
+_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,16 @@ def age_text(delta: timedelta) -> str:
     if secs < 172800:
         return f"{secs // 3600}h"
     return f"{secs // 86400}d"
+
+
+def _names(result: GateResult, field: str) -> bool:
+    """Whether the result says what `field` would have bound: the model it loaded, the host
+    it ran on, or the baseline it compared with."""
+    if field == "weights":
+        return result.provenance.model_path is not None
+    if field == "host_id":
+        return result.provenance.host is not None
+    return result.baseline is not None
 
 
 def freshness(
@@ -68,11 +79,9 @@ def freshness(
     changed = []
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
-        measured_model = (
-            result.provenance.model_path if name == "weights" else result.baseline is not None
-        )
-        if name in _BOUND and then is None and now_value is not None and measured_model:
-            changed.append(f"{name}: recorded without a fingerprint, now {now_value}")
+        if name in _BOUND and then is None and now_value is not None and _names(result, name):
+            what = "an identity" if name.endswith("host_id") else "a fingerprint"
+            changed.append(f"{name}: recorded without {what}, now {now_value}")
             continue
         if then in (None, []):
             continue

@@ -136,6 +136,19 @@ def test_freshness_by_age_and_by_provenance() -> None:
         r, window=hour, current=PROV.model_copy(update={"tp_size": 4, "gpus": [0, 1, 2, 3]})
     )
     assert "tp_size 8 -> 4" in tp.reason and "gpus" in tp.reason
+    # A record that names its host and baseline but not which machines they were (stripped,
+    # hand-made) cannot count where the machines can be told apart now; nor one made elsewhere.
+    here = PROV.model_copy(update={"host_id": "a1b2", "baseline_host_id": "a1b2"})
+    unbound = freshness(r, window=hour, current=here)
+    assert not unbound.fresh
+    assert "host_id: recorded without an identity, now a1b2" in unbound.reason
+    assert "baseline_host_id: recorded without an identity" in unbound.reason
+    bound = r.model_copy(update={"provenance": here})
+    assert freshness(bound, window=hour, current=here).fresh
+    other = freshness(bound, window=hour, current=here.model_copy(update={"host_id": "ffff"}))
+    assert not other.fresh and "host_id a1b2 -> ffff" in other.reason
+    # Where the machine cannot be read now (held to the inventory), the record is not faulted.
+    assert freshness(r, window=hour, current=PROV, live=False).fresh
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -214,18 +214,26 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny models, made once per run through the real CLI: deepseek_v3 and its W4A16
     variant."""
     need_module("torch", "reference")
+    from concurrent.futures import ThreadPoolExecutor
+
     root = shared_dir(tmp_path_factory, "models")
-    plain = made_once(root, "tiny-deepseek-v3", "--arch", "deepseek_v3")
-    int4 = made_once(
-        root,
-        "tiny-deepseek-v3-w4a16",
-        *("--arch", "deepseek_v3", "--from", str(plain), "--quantize", "w4a16"),
-        *("--group-size", "16"),
-    )
-    # A draft for speculative decoding: one layer, the same tokenizer (the sandbox's own).
-    draft = made_once(
-        root, "tiny-deepseek-v3-draft", "--arch", "deepseek_v3", "--set", "num_hidden_layers=1"
-    )
+    with ThreadPoolExecutor(2) as pool:
+        # A draft for speculative decoding: one layer, the same tokenizer (the sandbox's own).
+        # Trained beside the target, on the other core, while every worker waits for both.
+        drafting = pool.submit(
+            made_once,
+            root,
+            "tiny-deepseek-v3-draft",
+            *("--arch", "deepseek_v3", "--set", "num_hidden_layers=1"),
+        )
+        plain = made_once(root, "tiny-deepseek-v3", "--arch", "deepseek_v3")
+        int4 = made_once(
+            root,
+            "tiny-deepseek-v3-w4a16",
+            *("--arch", "deepseek_v3", "--from", str(plain), "--quantize", "w4a16"),
+            *("--group-size", "16"),
+        )
+        draft = drafting.result()
     return {"dsv3": plain, "dsv3-int4": int4, "dsv3-draft": draft}
 
 

@@ -11,6 +11,7 @@ from kdctl.backends._types import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    SpecCounters,
     StreamChunk,
     TokenLogprob,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "GenerateResult",
     "HealthResult",
     "HttpBackend",
+    "SpecCounters",
     "StreamCall",
     "StreamChunk",
     "TokenLogprob",

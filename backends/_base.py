@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import httpx
 from pydantic import SecretStr
 
-from kdctl.backends._types import EngineInfo, GenerateRequest, GenerateResult, StreamChunk
+from kdctl.backends._types import (
+    EngineInfo,
+    GenerateRequest,
+    GenerateResult,
+    SpecCounters,
+    StreamChunk,
+)
 from kdctl.backends.errors import BackendProtocolError
 from kdctl.backends.health import HealthResult
 from kdctl.errors import InputError
@@ -21,6 +27,10 @@ from kdctl.transports import Transport
 
 if TYPE_CHECKING:
     from kdctl.backends.lifecycle import ServiceControl
+
+# vLLM's speculative decoding counters (families as the Prometheus parser names them, without
+# `_total`), drafts first: vllm/v1/spec_decode/metrics.py, registered only when it drafts.
+_SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 
 
 class Backend(abc.ABC):
@@ -81,6 +91,18 @@ class Backend(abc.ABC):
     def metrics(self) -> dict[str, Any]:
         """Prometheus metric families by name; empty where the engine exports none."""
         return {}
+
+    def spec_counters(self) -> SpecCounters | None:
+        """The engine's running totals of speculative decoding, where its metrics export them
+        (vLLM does, only when it drafts); None for an engine that exports none."""
+        families = self.metrics()
+        totals = []
+        for name in _SPEC_COUNTERS:
+            family = families.get(name)
+            if family is None:
+                return None
+            totals.append(sum(s.value for s in family.samples if s.name == f"{name}_total"))
+        return SpecCounters(drafts=totals[0], accepted=totals[1])
 
     def lifecycle(self, transport: Transport) -> ServiceControl:
         """Start, stop, restart and wait for this engine through its service on `transport`."""

@@ -91,3 +91,21 @@ def count(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"a token count is not an integer: {value!r}")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class SpecCounters:
+    """An engine's own running totals of speculative decoding (vLLM's
+    `vllm:spec_decode_num_drafts` and `..._num_accepted_tokens` counters): their presence
+    says the engine drafts, their growth over a window what it accepted there."""
+
+    drafts: float
+    accepted: float
+
+    def accept_length_since(self, earlier: SpecCounters) -> float | None:
+        """Mean tokens per verification step over the window, the bonus token included (as
+        vLLM's own documentation computes it); None where no draft was verified in it."""
+        drafts = self.drafts - earlier.drafts
+        if drafts <= 0:
+            return None
+        return round(1 + (self.accepted - earlier.accepted) / drafts, 3)

@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from kdctl.backends import Backend, GenerateRequest, HttpBackend
+from kdctl.backends import Backend, GenerateRequest, HttpBackend, SpecCounters
 from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.checks.exactness import load_corpus, prompt_file, shipped_prompts
 from kdctl.errors import InfraError, InputError, KdctlError
@@ -101,7 +101,9 @@ def speculating(ctx: GateContext, settings: ThroughputSettings, names: list[str]
     for name in names:
         try:
             with ctx.backend(name) as be:
-                if isinstance(be, HttpBackend) and be.generate(_PROBE).spec_verify_ct is not None:
+                if isinstance(be, HttpBackend) and (
+                    be.generate(_PROBE).spec_verify_ct is not None or be.spec_counters() is not None
+                ):
                     found.append(name)
         except KdctlError:
             continue
@@ -149,10 +151,35 @@ def measure(
                 if settings.repeats > 1:
                     what += f", run {repeat + 1} of {settings.repeats}"
                 ctx.report(what, 0, len(requests))
-                done.append(run_load(be, requests, plan, on_progress=_reporter(ctx, what)))
+                before = _spec_counters(be)
+                run = run_load(be, requests, plan, on_progress=_reporter(ctx, what))
+                done.append(_with_engine_acceptance(run, before, _spec_counters(be)))
         for side, done in zip(out, runs, strict=True):
             side.append(Runs(done))
     return out
+
+
+def _spec_counters(be: HttpBackend) -> SpecCounters | None:
+    try:
+        return be.spec_counters()
+    except KdctlError:
+        return None  # its metrics unreadable now: the run says nothing of drafting
+
+
+def _with_engine_acceptance(
+    run: BenchMetrics, before: SpecCounters | None, after: SpecCounters | None
+) -> BenchMetrics:
+    """A run of an engine that counts its drafts itself (vLLM) rather than per answer: its
+    accept length is the counters' growth over the run (all of the engine's traffic in that
+    window, which during a gate run is the load's own)."""
+    if run.spec_accept_from is not None or before is None or after is None:
+        return run
+    return run.model_copy(
+        update={
+            "spec_accept_length": after.accept_length_since(before),
+            "spec_accept_from": "engine counters",
+        }
+    )
 
 
 class Runs:
@@ -432,7 +459,7 @@ def judge(
     speculative = [
         who
         for who, run in ((backend, points), ("the baseline", base_points or []))
-        if any(p.spec_accept_length is not None for p in run)
+        if any(p.spec_accept_length is not None or p.spec_accept_from for p in run)
     ]
     served = all(p.completed and p.failed <= settings.max_failed_requests for p in points)
     if speculative and random_ids and served and verdict != "error":

@@ -35,6 +35,22 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from _serve_vllm(llama, tmp_path_factory)
+
+
+# vLLM's n-gram speculative decoding: drafts looked up in the text so far, verified by the
+# model; the only drafter its CPU build runs without a second model.
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+
+
+@pytest.fixture(scope="module")
+def vllm_ngram(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from _serve_vllm(llama, tmp_path_factory, "--speculative-config", NGRAM)
+
+
+def _serve_vllm(
+    llama: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str
+) -> Iterator[str]:
     if not VLLM_PYTHON.exists():
         if os.environ.get("CI"):
             pytest.fail(f"vLLM is not installed at {VLLM_PYTHON}; scripts/bootstrap installs it")
@@ -46,7 +62,9 @@ def vllm(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         proc = subprocess.Popen(
             # Eager: its CPU build otherwise compiles the model with inductor at start-up
             # (36 s of both cores here), which the API under test does not depend on.
-            vllm_argv(VLLM_PYTHON, llama, port, served_name="tiny", extra=("--enforce-eager",)),
+            vllm_argv(
+                VLLM_PYTHON, llama, port, served_name="tiny", extra=("--enforce-eager", *extra)
+            ),
             env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,
@@ -246,3 +264,65 @@ def test_api_conformance_of_vllm_against_an_sglang_api(
     # The tiny Llama has no chat template: vLLM refuses chat, which the reference serves.
     assert differences["chat"] == ["HTTP 400, baseline 200"]
     assert "answers recorded" in result["reasons"][0]
+
+
+def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
+    vllm: str, vllm_ngram: str, tmp_path: Path, report: Any
+) -> None:
+    """vLLM drafting (n-gram) answers no verification count per request; its metrics count
+    drafts and accepted tokens. kdctl reads them: the throughput gate moves to the text corpus,
+    records the accept length over each run from the engine's counters, and judges a speed
+    measured on random token ids inconclusive."""
+
+    def gate(source: str) -> dict[str, Any]:
+        inv = write_inventory(
+            tmp_path / f"{source}.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": {
+                    "plain": {"kind": "openai", "host": "local", "url": vllm},
+                    "drafting": {"kind": "openai", "host": "local", "url": vllm_ngram},
+                },
+                "gates": {
+                    "throughput": {
+                        "workload": {
+                            "source": source,
+                            "input_len": 32,
+                            "output_len": 24,
+                            "concurrency": [2],
+                            "num_prompts": 6,
+                        },
+                        "min_ratio": 0.1,
+                    }
+                },
+                "state_dir": f"state-{source}",
+            },
+        )
+        args = ("gate", "run", "throughput", "-b", "drafting", "--baseline", "plain")
+        run = kdctl(*args, "-i", str(inv), "--json")
+        assert run.out, run.err
+        (result,) = json.loads(run.out)["results"]
+        return result
+
+    on_text = gate("auto")
+    assert on_text["verdict"] == "pass", on_text["reasons"]
+    assert "drafting decodes speculatively" in on_text["reasons"][0], on_text["reasons"]
+    (point,) = on_text["details"]["points"]
+    assert point["spec_accept_from"] == "engine counters"
+    accept = point["spec_accept_length"]
+    assert accept is not None and 1.0 <= accept <= 4.0, point  # 3 drafted + the bonus at most
+    metrics = {m["name"]: m["value"] for m in on_text["metrics"]}
+    assert metrics["c2.spec_accept_length"] == accept
+    # The plain engine exports no drafting counters: nothing is said of its acceptance.
+    (base,) = on_text["details"]["baseline_points"]
+    assert base["spec_accept_from"] is None and base["spec_accept_length"] is None
+
+    on_ids = gate("random-ids")
+    assert on_ids["verdict"] == "inconclusive", on_ids["reasons"]
+    said = " ".join(on_ids["reasons"])
+    assert "drafting decode speculatively, and the workload is random token ids" in said, said
+    report(
+        f"vLLM n-gram drafting (CPU, tiny Llama): {accept:.2f} tokens per verification on the "
+        f"text corpus, from its own counters; {point['output_throughput']:.0f} tok/s against "
+        f"{base['output_throughput']:.0f} without drafting"
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -157,6 +158,10 @@ class BenchMetrics(BaseModel):
     # verification steps, over the requests that report them), as SGLang's bench_serving
     # reports accept length; None for an engine that reports no verification steps.
     spec_accept_length: float | None = None
+    # Where the accept length was read: "requests" (each answer's verification count, as
+    # SGLang gives it) or "engine counters" (the engine's own totals over the run, as vLLM
+    # exports them). None where the engine said nothing of drafting.
+    spec_accept_from: Literal["requests", "engine counters"] | None = None
     # Requests whose streamed token count disagreed with the server's own count.
     token_count_mismatches: int = 0
     # Requests that stopped before the asked output length although `ignore_eos` was set.
@@ -206,6 +211,7 @@ class BenchMetrics(BaseModel):
             itl_ms=Stats.of([g for r in done for g in r.itl_s]),
             e2el_ms=Stats.of([r.e2el_s for r in done if r.e2el_s is not None]),
             spec_accept_length=_accept_length(done),
+            spec_accept_from="requests" if any(r.spec_verify_ct for r in done) else None,
             token_count_mismatches=sum(
                 1
                 for r in done

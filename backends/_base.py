@@ -29,8 +29,13 @@ if TYPE_CHECKING:
     from kdctl.backends.lifecycle import ServiceControl
 
 # vLLM's speculative decoding counters (families as the Prometheus parser names them, without
-# `_total`), drafts first: vllm/v1/spec_decode/metrics.py, registered only when it drafts.
-_SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+# `_total`): vllm/v1/spec_decode/metrics.py registers the first two only when it drafts; the
+# third is every generated token (vllm/v1/metrics/loggers.py).
+_SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:generation_tokens",
+)
 
 
 class Backend(abc.ABC):
@@ -102,7 +107,7 @@ class Backend(abc.ABC):
             if family is None:
                 return None
             totals.append(sum(s.value for s in family.samples if s.name == f"{name}_total"))
-        return SpecCounters(drafts=totals[0], accepted=totals[1])
+        return SpecCounters(drafts=totals[0], accepted=totals[1], generated=totals[2])
 
     def lifecycle(self, transport: Transport) -> ServiceControl:
         """Start, stop, restart and wait for this engine through its service on `transport`."""

@@ -96,16 +96,21 @@ def count(value: object) -> int | None:
 @dataclass(frozen=True, slots=True)
 class SpecCounters:
     """An engine's own running totals of speculative decoding (vLLM's
-    `vllm:spec_decode_num_drafts` and `..._num_accepted_tokens` counters): their presence
-    says the engine drafts, their growth over a window what it accepted there."""
+    `vllm:spec_decode_num_drafts` and `..._num_accepted_tokens` counters, and the tokens it
+    generated): their presence says the engine drafts, their growth over a window what it
+    accepted there."""
 
     drafts: float
     accepted: float
+    generated: float
 
     def accept_length_since(self, earlier: SpecCounters) -> float | None:
-        """Mean tokens per verification step over the window, the bonus token included (as
-        vLLM's own documentation computes it); None where no draft was verified in it."""
-        drafts = self.drafts - earlier.drafts
-        if drafts <= 0:
+        """Mean tokens per decoding step over the window: every step yields one token of its
+        own plus those it accepted, so steps are tokens less accepted ones. Steps that
+        drafted nothing count (n-gram drafting skips some), as they do in SGLang's output
+        tokens over verification steps. None where nothing was generated in the window."""
+        generated = self.generated - earlier.generated
+        steps = generated - (self.accepted - earlier.accepted)
+        if generated <= 0 or steps <= 0:
             return None
-        return round(1 + (self.accepted - earlier.accepted) / drafts, 3)
+        return round(generated / steps, 3)

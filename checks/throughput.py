@@ -89,25 +89,29 @@ def build_requests(
     return requests, workload
 
 
-def speculating(ctx: GateContext, settings: ThroughputSettings, names: list[str]) -> list[str]:
-    """Under `source: auto` with no prompt file, which of these engines decode speculatively,
-    so that the workload becomes text; asked of each: one short greedy request, and whether its
-    answer counts verification passes. One that does not answer is not counted; the
-    measurement will say why it failed."""
-    w = settings.workload
-    if w.source != "auto" or w.prompts is not None:
-        return []
-    found = []
+def speculating(ctx: GateContext, names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Which of these engines decode speculatively, asked of each: one short greedy request
+    (does its answer count verification passes, as SGLang's does) and its metrics (does it
+    export drafting counters, as vLLM does); and those whose metrics could not be read, with
+    why. One that does not answer is not counted; the measurement will say why it failed."""
+    found: list[str] = []
+    unread: dict[str, str] = {}
     for name in names:
         try:
             with ctx.backend(name) as be:
-                if isinstance(be, HttpBackend) and (
-                    be.generate(_PROBE).spec_verify_ct is not None or be.spec_counters() is not None
-                ):
+                if not isinstance(be, HttpBackend):
+                    continue
+                if be.generate(_PROBE).spec_verify_ct is not None:
                     found.append(name)
+                    continue
+                try:
+                    if be.spec_counters() is not None:
+                        found.append(name)
+                except KdctlError as exc:
+                    unread[name] = str(exc)
         except KdctlError:
             continue
-    return found
+    return found, unread
 
 
 def measure(
@@ -153,7 +157,8 @@ def measure(
                 ctx.report(what, 0, len(requests))
                 before = _spec_counters(be)
                 run = run_load(be, requests, plan, on_progress=_reporter(ctx, what))
-                done.append(_with_engine_acceptance(run, before, _spec_counters(be)))
+                warmup = plan.warmup_requests * max(r.max_new_tokens for r in requests)
+                done.append(_with_engine_acceptance(run, before, _spec_counters(be), warmup))
         for side, done in zip(out, runs, strict=True):
             side.append(Runs(done))
     return out
@@ -167,13 +172,26 @@ def _spec_counters(be: HttpBackend) -> SpecCounters | None:
 
 
 def _with_engine_acceptance(
-    run: BenchMetrics, before: SpecCounters | None, after: SpecCounters | None
+    run: BenchMetrics, before: SpecCounters | None, after: SpecCounters | None, warmup: int
 ) -> BenchMetrics:
     """A run of an engine that counts its drafts itself (vLLM) rather than per answer: its
-    accept length is the counters' growth over the run (all of the engine's traffic in that
-    window, which during a gate run is the load's own)."""
+    accept length is the counters' growth over the run, which is the load's own only where
+    the engine generated no more than the load's tokens and its warm-up's (`warmup`, at
+    most); else other traffic shares the window and no figure is given."""
     if run.spec_accept_from is not None or before is None or after is None:
         return run
+    generated = after.generated - before.generated
+    if generated < 0 or generated > run.total_output_tokens + warmup:
+        return run.model_copy(
+            update={
+                "spec_accept_from": "engine counters",
+                "spec_accept_note": (
+                    f"its counters grew by {generated:.0f} tokens over the run, the load's "
+                    f"{run.total_output_tokens} (and at most {warmup} of warm-up): other "
+                    "traffic or a restart shares the window, so its accept length is not given"
+                ),
+            }
+        )
     return run.model_copy(
         update={
             "spec_accept_length": after.accept_length_since(before),
@@ -261,7 +279,10 @@ class ThroughputGate(Gate):
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
         started = utcnow()
         settings = ctx.inventory.spec.gates.throughput
-        drafting = speculating(ctx, settings, [n for n in (backend, baseline) if n])
+        drafting, unread = speculating(ctx, [n for n in (backend, baseline) if n])
+        # Under `source: auto` with no prompt file, a drafting engine is measured on text.
+        auto = settings.workload.source == "auto" and settings.workload.prompts is None
+        drafting = drafting if auto else []
         requests, workload = build_requests(ctx, settings, text=bool(drafting) or None)
         random_ids = requests[0].input_ids is not None
         info = None
@@ -315,6 +336,17 @@ class ThroughputGate(Gate):
                 reasons.append(f"concurrency {mine.median.max_concurrency}: {'; '.join(spreads)}")
         if source:
             reasons.insert(0, f"compared with {source}")
+        if random_ids:
+            for name, why in unread.items():
+                reasons.append(
+                    f"whether {name} decodes speculatively could not be read (its metrics: "
+                    f"{why}): its speed on random token ids is judged as a plain engine's"
+                )
+        for who, run_points in ((backend, points), (baseline, base_points or [])):
+            for p in run_points:
+                if p.spec_accept_note:
+                    where = f"{who} at concurrency {p.max_concurrency}"
+                    reasons.append(f"{where}: {p.spec_accept_note}")
         if drafting:
             reasons.insert(
                 0,

@@ -129,15 +129,20 @@ class Provenance(BaseModel):
 
     def differs_from(self, other: Provenance, fields: tuple[str, ...] | None = None) -> list[str]:
         """The identity fields (of `fields`, else all) both know and disagree on, as
-        "field then -> now"."""
+        "field then -> now"; and the bindings (checkpoint fingerprint, host id) `other` knows
+        that this never recorded, since then nothing ties this to what `other` is."""
         names = fields or ("engine_version", "model_path", "weights", "host_id", "tp_size")
-        return [
-            f"{name} {getattr(self, name)} -> {getattr(other, name)}"
-            for name in names
-            if getattr(self, name) is not None
-            and getattr(other, name) is not None
-            and getattr(self, name) != getattr(other, name)
-        ]
+        out = []
+        for name in names:
+            then, now = getattr(self, name), getattr(other, name)
+            if now is None:
+                continue
+            if then is None:
+                if name in ("weights", "host_id") and (name != "weights" or self.model_path):
+                    out.append(f"{name} not recorded -> {now}")
+            elif then != now:
+                out.append(f"{name} {then} -> {now}")
+        return out
 
     @model_serializer(mode="wrap")
     def _bound_fields_when_known(self, handler: SerializerFunctionWrapHandler) -> Any:

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,7 @@ class Run:
 
 
 _WARM: WarmCli | None = None
+_WARM_LOCK = threading.Lock()
 
 
 def kdctl(
@@ -78,9 +80,10 @@ def kdctl(
     # Wide and fixed, whatever the runner's terminal (pytest-xdist's workers have 80 columns).
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     if not os.environ.get("KDCTL_TEST_COLD_CLI"):
-        if _WARM is None:
-            _WARM = WarmCli()
-            atexit.register(_WARM.close)
+        with _WARM_LOCK:  # the first callers may be threads (the models fixture's)
+            if _WARM is None:
+                _WARM = WarmCli()
+                atexit.register(_WARM.close)
         if _WARM.suits(full_env):
             return Run(*_WARM.run(list(args), full_env, str(cwd or Path.cwd()), timeout))
     proc = subprocess.run(

@@ -178,3 +178,39 @@ def test_the_shipped_text_corpus_is_what_its_readme_says() -> None:
     assert max(len(r["prompt"]) for r in rows) <= 2300
     readme = (folder / "README.md").read_text()
     assert "320 prompts, 110 chat, 100 code, 70 math and 40 long" in readme
+
+
+def test_an_accept_length_from_engine_counters_is_the_loads_own_or_none() -> None:
+    """vLLM counts drafting for the whole engine: over a run, tokens per decoding step is the
+    generated tokens over the steps (generated less accepted), steps that drafted nothing
+    included; where the engine generated more than the load and its warm-up did, other
+    traffic shares the window and no figure is given, with the reason."""
+    from kdctl.backends import SpecCounters
+    from kdctl.checks.throughput import _with_engine_acceptance
+    from kdctl.loadgen import BenchMetrics, RequestRecord
+
+    run = BenchMetrics.of(
+        [RequestRecord(started_at=0.0, ok=True, output_tokens=40) for _ in range(3)],
+        1.0,
+        max_concurrency=1,
+        request_rate=None,
+        burstiness=1.0,
+        client="openai",
+        output_len=None,
+        slo=None,
+    )
+    assert run.spec_accept_from is None  # no request counted verification steps
+    before = SpecCounters(drafts=10, accepted=20, generated=100)
+    # 120 of the load's tokens and 40 of warm-up; 80 of them accepted: 80 steps.
+    after = SpecCounters(drafts=50, accepted=100, generated=260)
+    judged = _with_engine_acceptance(run, before, after, warmup=40)
+    assert (judged.spec_accept_from, judged.spec_accept_length) == ("engine counters", 2.0)
+    assert judged.spec_accept_note is None
+    crowded = _with_engine_acceptance(run, before, after, warmup=0)
+    assert crowded.spec_accept_length is None and crowded.spec_accept_from == "engine counters"
+    assert "grew by 160 tokens over the run, the load's 120" in (crowded.spec_accept_note or "")
+    restarted = _with_engine_acceptance(run, after, before, warmup=40)
+    assert restarted.spec_accept_length is None and restarted.spec_accept_note
+    # No drafting at all in the window: one token a step, measured, not missing.
+    idle = SpecCounters(drafts=10, accepted=20, generated=220)
+    assert _with_engine_acceptance(run, before, idle, warmup=0).spec_accept_length == 1.0

@@ -46,12 +46,13 @@ def age_text(delta: timedelta) -> str:
 
 
 def _names(result: GateResult, field: str) -> bool:
-    """Whether the result says what `field` would have bound: the model it loaded, the host
-    it ran on, or the baseline it compared with."""
+    """Whether the result must carry `field` where it can be read now: every result ran on
+    some machine; a weights fingerprint is owed by one that names the model it loaded, and
+    the baseline's by one that compared with a baseline."""
     if field == "weights":
         return result.provenance.model_path is not None
     if field == "host_id":
-        return result.provenance.host is not None
+        return True
     return result.baseline is not None
 
 

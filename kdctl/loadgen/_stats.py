@@ -162,6 +162,9 @@ class BenchMetrics(BaseModel):
     # SGLang gives it) or "engine counters" (the engine's own totals over the run, as vLLM
     # exports them). None where the engine said nothing of drafting.
     spec_accept_from: Literal["requests", "engine counters"] | None = None
+    # Why an engine that drafts has no accept length for the run (its counters also grew by
+    # traffic the load did not send).
+    spec_accept_note: str | None = None
     # Requests whose streamed token count disagreed with the server's own count.
     token_count_mismatches: int = 0
     # Requests that stopped before the asked output length although `ignore_eos` was set.

@@ -9,9 +9,10 @@ imports are shared. Commands whose interpreter start-up differs (a PYTHONPATH of
 the plugin tests use) run cold.
 
 Protocol, over a Unix socket: the client sends one JSON line (argv, env, cwd) with its stdout
-and stderr file descriptors (SCM_RIGHTS); the forked command writes its pid as a line, then,
-when it ends, its exit code as a line. A command killed by a signal sends no code: the client
-reports the signal as subprocess does (-SIGNUM), from the server's wait status.
+and stderr file descriptors (SCM_RIGHTS); the fork writes its pid as a line and runs; the
+server, which reaps it, writes `exit N` with the code subprocess would report (minus the
+signal for a killed one). The fork ends as an interpreter does. What it cannot differ in from a
+cold start: its hash seed is the server's, so set and dict orders repeat between commands.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
+from typing import Any
 
 # Variables read when an interpreter starts, not when a command runs: a command that sets one
 # differently from the server's must start cold to see it.
@@ -59,87 +60,95 @@ _PRELOAD = (
 
 def _serve(path: str) -> None:
     import importlib
+    import select
 
     for name in _PRELOAD:
         importlib.import_module(name)
     sys.stdout.flush()
     sys.stderr.flush()
+    parent = os.getppid()
+    # An ended command wakes the loop at once (its status is the client's answer).
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    # Listening before the path appears: a client that sees it can connect.
+    listener.bind(path + ".new")
     listener.listen(16)
-    listener.settimeout(0.5)
+    os.rename(path + ".new", path)
     children: dict[int, socket.socket] = {}
-    while True:
-        # Reap ended commands; one killed by a signal gets its status sent by the server,
-        # since it could not send its own.
+    while os.getppid() == parent:  # else the test worker is gone
+        ready, _, _ = select.select([listener, wake_r], [], [], 1.0)
+        if wake_r in ready:
+            os.read(wake_r, 512)
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 conn = children.pop(pid)
-                if os.WIFSIGNALED(status):
-                    with contextlib.suppress(OSError):
-                        conn.sendall(f"signal {os.WTERMSIG(status)}\n".encode())
+                # As subprocess reports it: the exit status, or minus the signal.
+                code = os.waitstatus_to_exitcode(status)
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"exit {code}\n".encode())
                 conn.close()
-        if os.getppid() == 1:
-            return  # the test worker is gone
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
+        if listener not in ready:
             continue
-        conn.settimeout(None)
-        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+        conn, _ = listener.accept()
+        try:
+            conn.settimeout(5)
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+            request = json.loads(msg)
+            if len(fds) != 2:
+                raise ValueError(f"{len(fds)} file descriptors")
+        except (OSError, ValueError) as exc:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"error {exc}\n".encode())
+            conn.close()
+            continue
         pid = os.fork()
         if pid == 0:
+            for fd in (wake_r, wake_w):
+                os.close(fd)
             listener.close()
             for other in children.values():
                 other.close()
-            _run(conn, json.loads(msg), fds)  # never returns
+            _run(conn, request, fds)  # leaves by SystemExit, as a process does
         for fd in fds:
             os.close(fd)
         children[pid] = conn
 
 
-def _run(conn: socket.socket, request: dict[str, object], fds: list[int]) -> None:
-    code = 1
+def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    """The command, in the fork: its pid to the client, then the CLI as `python -m kdctl`
+    runs it. It ends the way an interpreter does (threads joined, atexit run, streams
+    flushed), and the server reports its wait status."""
+    conn.sendall(f"{os.getpid()}\n".encode())
+    conn.close()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setpgid(0, 0)  # the client may kill it without reaching the server
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in (null, *fds):
+        os.close(fd)
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(
-                sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-            )
-        os.setpgid(0, 0)  # the client may kill it without reaching the server
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
-        for fd in (null, *fds):
-            os.close(fd)
-        os.chdir(str(request["cwd"]))
-        os.environ.clear()
-        os.environ.update(request["env"])  # type: ignore[arg-type]
-        # As `python -m kdctl` leaves them: click names the program from these in its usage.
-        sys.argv = [str(Path(__file__).resolve().parents[2] / "kdctl" / "__main__.py")]
-        sys.argv += request["argv"]  # type: ignore[arg-type]
-        sys.modules["__main__"].__package__ = "kdctl"
-        conn.sendall(f"{os.getpid()}\n".encode())
-        from kdctl.cli import main
+        os.chdir(request["cwd"])
+    except OSError as exc:
+        raise SystemExit(f"kdctl: {exc}") from None
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # As `python -m kdctl` leaves them: click names the program from these in its usage, and
+    # the working directory leads the import path.
+    sys.argv = [str(Path(__file__).resolve().parents[2] / "kdctl" / "__main__.py")]
+    sys.argv += request["argv"]
+    sys.path[0] = os.getcwd()
+    sys.modules["__main__"].__package__ = "kdctl"
+    from kdctl.cli import main
 
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if exc.code is not None and not isinstance(exc.code, int):
-                sys.stderr.write(f"{exc.code}\n")
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        with contextlib.suppress(Exception):
-            conn.sendall(f"exit {code}\n".encode())
-        os._exit(code)
+    main()
+    raise SystemExit(0)
 
 
 class WarmCli:
@@ -155,8 +164,9 @@ class WarmCli:
     def _start(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path)
+        for stale in (self._path, self._path + ".new"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
         repo = Path(__file__).resolve().parents[2]
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.warm", self._path], cwd=repo
@@ -173,31 +183,48 @@ class WarmCli:
     def run(
         self, args: list[str], env: dict[str, str], cwd: str, timeout: float
     ) -> tuple[int, str, str]:
-        with self._lock:
-            self._start()
         with (
             tempfile.TemporaryFile() as stdout,
             tempfile.TemporaryFile() as stderr,
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn,
+            self._connect() as conn,
         ):
-            conn.connect(self._path)
             request = json.dumps({"argv": args, "env": env, "cwd": cwd}).encode()
             socket.send_fds(conn, [request], [stdout.fileno(), stderr.fileno()])
             conn.settimeout(timeout)
             reader = conn.makefile("r")
             pid = None
             try:
-                pid = int(reader.readline())
+                first = reader.readline()
+                if first.startswith("error "):
+                    raise RuntimeError(f"the warm kdctl server refused: {first[6:].strip()}")
+                pid = int(first)
                 last = reader.readline().split()
-            except (TimeoutError, OSError, ValueError) as exc:
+            except TimeoutError as exc:
                 if pid is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(["kdctl", *args], timeout) from exc
-            code = int(last[1]) if last and last[0] == "exit" else -int(last[1]) if last else -9
+            if len(last) != 2 or last[0] != "exit":
+                raise RuntimeError(f"the warm kdctl server ended before command {pid} did")
             stdout.seek(0)
             stderr.seek(0)
-            return code, _text(stdout.read()), _text(stderr.read())
+            return int(last[1]), _text(stdout.read()), _text(stderr.read())
+
+    def _connect(self) -> socket.socket:
+        """A connection to the server, (re)started where it is not running."""
+        for attempt in (1, 2):
+            with self._lock:
+                self._start()
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self._path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                conn.close()
+                if attempt == 2:
+                    raise
+                continue
+            return conn
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

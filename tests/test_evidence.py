@@ -147,6 +147,14 @@ def test_freshness_by_age_and_by_provenance() -> None:
     assert freshness(bound, window=hour, current=here).fresh
     other = freshness(bound, window=hour, current=here.model_copy(update={"host_id": "ffff"}))
     assert not other.fresh and "host_id a1b2 -> ffff" in other.reason
+    # A recorded baseline is chosen by the same binding: one without the machine's identity
+    # or its checkpoint's fingerprint, where the engine has them now, is not taken for it.
+    now = here.model_copy(update={"weights": "9f9f"})
+    assert PROV.differs_from(now) == [
+        "weights not recorded -> 9f9f",
+        "host_id not recorded -> a1b2",
+    ]
+    assert now.differs_from(now) == []
     # Where the machine cannot be read now (held to the inventory), the record is not faulted.
     assert freshness(r, window=hour, current=PROV, live=False).fresh
 

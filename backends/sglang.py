@@ -24,6 +24,10 @@ from kdctl.backends.openai import OpenAIBackend
 
 class SGLangBackend(HttpBackend):
     kind = "sglang"
+    # Whether the URL reaches one engine, whose server arguments then say how every stream
+    # from it reads. A router's front may reach several (a canary's two engines, of two
+    # releases): there each stream is read by its own shape, never by one engine's word.
+    one_engine = True
 
     def health(self, *, generate: bool = False) -> HealthResult:
         """`/health`, or with `generate` `/health_generate`, which SGLang always answers by
@@ -151,7 +155,10 @@ class SGLangBackend(HttpBackend):
     @cached_property
     def _incremental_text(self) -> bool | None:
         """Whether streamed text is only what is new, as the server's own arguments say
-        (`incremental_streaming_output`), asked once; None where it does not say."""
+        (`incremental_streaming_output`), asked once; None where it does not say, or where
+        the URL may reach another engine than the one that would answer."""
+        if not self.one_engine:
+            return None
         try:
             flag = self._info("/server_info", "/get_server_info").get(
                 "incremental_streaming_output"

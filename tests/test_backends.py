@@ -481,6 +481,46 @@ def test_streamed_text_is_read_as_the_servers_arguments_say(incremental: bool) -
     assert [i for c in chunks for i in c.output_ids] == [10, 11, 12]
 
 
+def test_a_front_to_several_engines_reads_each_stream_by_its_own_shape() -> None:
+    """Through a canary's front, the server info that answers may be the other engine's: one
+    that streams deltas, while this stream (a newer SGLang) is cumulative. Read by that word
+    the text would double; a backend told its URL reaches several engines reads each stream
+    by its shape."""
+    events = [
+        {
+            "text": "abc"[: i + 1],
+            "output_ids": [10, 11, 12][: i + 1],
+            "meta_info": {
+                "prompt_tokens": 2,
+                "completion_tokens": i + 1,
+                "finish_reason": {"type": "length", "length": 3} if i == 2 else None,
+            },
+        }
+        for i in range(3)
+    ]
+    info = json.dumps({"incremental_streaming_output": True}).encode()
+    server = serve(
+        replay(
+            {
+                ("GET", "/server_info"): (200, info, "application/json"),
+                ("POST", "/generate"): (200, _events(*events), "text/event-stream"),
+            }
+        )
+    )
+    texts = {}
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for one in (True, False):
+            with make_backend("front", BackendSpec(kind="sglang", host="local", url=url)) as be:
+                be.one_engine = one  # type: ignore[attr-defined]
+                chunks = list(be.stream(GenerateRequest(input_ids=[1, 2], max_new_tokens=3)))
+            texts[one] = "".join(c.text for c in chunks)
+            assert [i for c in chunks for i in c.output_ids] == [10, 11, 12]
+    finally:
+        server.shutdown()
+    assert texts == {True: "aababc", False: "abc"}
+
+
 def test_an_event_of_several_tokens_spreads_its_gap_over_them() -> None:
     """Three tokens to an event, 60 ms apart: nine inter-token gaps of about 20 ms (the first
     event's tokens are the TTFT), as SGLang's bench_serving counts them, not three of 60."""

@@ -24,8 +24,9 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
-from kdctl.backends import GenerateRequest, HttpBackend, make_backend
+from kdctl.backends import GenerateRequest, make_backend
 from kdctl.backends.health import probe_health
+from kdctl.backends.sglang import SGLangBackend
 from kdctl.checks.promotion import promotion_result
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
@@ -302,7 +303,8 @@ class Runner:
         # candidate's, which must also open the baseline for clients to survive the cutover.
         key = front_api_key(self.inv, {plan.to_backend: 100})
         be = make_backend("router-front", front, api_key=key)
-        assert isinstance(be, HttpBackend)
+        assert isinstance(be, SGLangBackend)
+        be.one_engine = False  # both engines answer through it during a canary
         engine_before = engine_counters(self.inv, plan.to_backend)
         deadline = time.monotonic() + seconds
         failed = sent = 0

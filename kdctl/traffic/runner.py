@@ -352,14 +352,22 @@ class Runner:
             if engine_before is not None and engine_after is not None
             else None
         )
-        if window is not None and window.went_back():
+        unknown_share = (
+            f"{plan.to_backend}'s metrics gave no request counter kdctl reads: how many of the "
+            "probes it served is not known"
+        )
+        if window is None:
+            watch["engine_note"] = unknown_share
+        elif window.went_back():
             # Counters only rise: lower ones mean another process (a restart) behind the URL.
             watch["engine_note"] = (
                 f"{plan.to_backend}'s counters went back during the window (restarted?): "
                 "its own view of it was not read"
             )
-        elif window is not None:
-            if window.requests is not None:
+        else:
+            if window.requests is None:
+                watch["engine_note"] = unknown_share
+            else:
                 watch["engine_requests"] = window.requests
                 if window.requests <= 0:
                     watch["engine_note"] = (

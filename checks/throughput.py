@@ -279,7 +279,9 @@ class ThroughputGate(Gate):
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
         started = utcnow()
         settings = ctx.inventory.spec.gates.throughput
-        drafting, unread = speculating(ctx, [n for n in (backend, baseline) if n])
+        # A baseline held to its records (stopped for a swap) is not asked.
+        asked = [backend] if ctx.recorded_only or baseline is None else [backend, baseline]
+        drafting, unread = speculating(ctx, asked)
         # Under `source: auto` with no prompt file, a drafting engine is measured on text.
         auto = settings.workload.source == "auto" and settings.workload.prompts is None
         drafting = drafting if auto else []

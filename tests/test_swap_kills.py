@@ -1,7 +1,8 @@
 """A swap SIGKILLed after each of its journal rows in turn, under a probe load through the
 front that honours Retry-After: right after the kill, status says what the front does;
-`--resume` (odd rounds) finishes the swap, `rollback` (even rounds, and after every resume)
-brings the old engine back and the router to it. No request is lost."""
+`--resume` (odd rounds) finishes the swap, `rollback` (even rounds) brings the old engine back
+and the router to it; each round swaps away from whichever engine serves then, so both
+directions are killed. No request is lost."""
 
 from __future__ import annotations
 
@@ -40,13 +41,16 @@ def test_swap_killed_after_each_journal_row_then_resumed_or_rolled_back(
         (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(roadmap, sort_keys=False))
         inv = swap.inv
         db = tmp_path / "state" / "traffic.sqlite"
-        args = ["cutover", "--to", "candidate", "--force", "--yes", "-i", inv]
+        # Each round swaps away from the engine serving: a resumed swap leaves the other one
+        # serving, and the next round swaps back (both directions, no extra restarts).
+        serving, other = "baseline", "candidate"
         with Load(swap.front_url, retry_draining=True) as load:
             for k in range(1, ROWS_PER_RUN):
                 before = 0
                 if db.exists():  # the first cutover makes the journal
                     with sqlite3.connect(db) as conn:
                         before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+                args = ["cutover", "--to", other, "--force", "--yes", "-i", inv]
                 _kill_when(args, db, "SELECT count(*) FROM steps", before + k)
                 with SqliteJournal(tmp_path / "state") as journal:
                     open_one = journal.latest(state="running")
@@ -61,18 +65,19 @@ def test_swap_killed_after_each_journal_row_then_resumed_or_rolled_back(
                 if k % 2:
                     run = kdctl("cutover", "--resume", "--yes", "-i", inv, timeout=600)
                     assert run.code == 0, (k, run.out, run.err)
-                    assert weights(swap.include) == {"candidate": 100}, k
-                    assert not (tmp_path / "baseline.pid").exists(), k
-                back = kdctl("rollback", "--yes", "-i", inv, timeout=600)
-                assert back.code == 0, (k, back.out, back.err)
-                assert weights(swap.include) == {"baseline": 100}, k
-                assert httpx.get(swap.url("baseline") + "/health").status_code == 200, k
-                assert not (tmp_path / "candidate.pid").exists(), k
+                    serving, other = other, serving
+                else:
+                    back = kdctl("rollback", "--yes", "-i", inv, timeout=600)
+                    assert back.code == 0, (k, back.out, back.err)
+                assert weights(swap.include) == {serving: 100}, k
+                assert httpx.get(swap.url(serving) + "/health").status_code == 200, k
+                assert not (tmp_path / f"{other}.pid").exists(), k
                 with SqliteJournal(tmp_path / "state") as journal:
                     last = journal.get(open_one.id)
-                assert last is not None and last.state in ("succeeded", "rolled_back"), k
+                want = "succeeded" if k % 2 else "rolled_back"
+                assert last is not None and last.state == want, k
                 after = json.loads(kdctl("status", "-i", inv, "--json").out)["answers"]["serving"]
-                assert (after["state"], after["backend"]) == ("serving", "baseline"), k
+                assert (after["state"], after["backend"]) == ("serving", serving), k
         report(
             f"swap, SIGKILL at each of {ROWS_PER_RUN - 1} journal rows: {load.sent} requests "
             f"through the front, {len(load.failures)} failed, {load.retried} retries of a "

@@ -21,8 +21,8 @@ _IDENTITY = (
     "baseline_weights",
     "baseline_engine_version",
 )
-# A result that names the model (or host) it measured but carries no fingerprint of its weights
-# (or no identity of the machine), where one can be read now, cannot say that what it measured
+# A result without the identity of the machine it ran on, or naming a model without a
+# fingerprint of its weights, where either can be read now, cannot say that what it measured
 # is what is there: a stripped or hand-made record would otherwise count on any box.
 _BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id")
 

@@ -107,6 +107,9 @@ def _serve(path: str) -> None:
             continue
         pid = os.fork()
         if pid == 0:
+            # The server's signal plumbing is not the command's (and its fds may be reused).
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for fd in (wake_r, wake_w):
                 os.close(fd)
             listener.close()
@@ -124,8 +127,6 @@ def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     flushed), and the server reports its wait status."""
     conn.sendall(f"{os.getpid()}\n".encode())
     conn.close()
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setpgid(0, 0)  # the client may kill it without reaching the server
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

@@ -157,8 +157,10 @@ def measure(
                 ctx.report(what, 0, len(requests))
                 before = _spec_counters(be)
                 run = run_load(be, requests, plan, on_progress=_reporter(ctx, what))
-                warmup = plan.warmup_requests * max(r.max_new_tokens for r in requests)
-                done.append(_with_engine_acceptance(run, before, _spec_counters(be), warmup))
+                if before is not None:  # only an engine that counts its drafts is asked again
+                    warmup = plan.warmup_requests * max(r.max_new_tokens for r in requests)
+                    run = _with_engine_acceptance(run, before, _spec_counters(be), warmup)
+                done.append(run)
         for side, done in zip(out, runs, strict=True):
             side.append(Runs(done))
     return out
@@ -172,13 +174,13 @@ def _spec_counters(be: HttpBackend) -> SpecCounters | None:
 
 
 def _with_engine_acceptance(
-    run: BenchMetrics, before: SpecCounters | None, after: SpecCounters | None, warmup: int
+    run: BenchMetrics, before: SpecCounters, after: SpecCounters | None, warmup: int
 ) -> BenchMetrics:
     """A run of an engine that counts its drafts itself (vLLM) rather than per answer: its
     accept length is the counters' growth over the run, which is the load's own only where
     the engine generated no more than the load's tokens and its warm-up's (`warmup`, at
     most); else other traffic shares the window and no figure is given."""
-    if run.spec_accept_from is not None or before is None or after is None:
+    if run.spec_accept_from is not None or after is None:
         return run
     generated = after.generated - before.generated
     if generated < 0 or generated > run.total_output_tokens + warmup:

@@ -11,6 +11,7 @@ demo: bootstrap
 
 test: bootstrap
 	@scripts/bootstrap-vllm
+	@scripts/bootstrap-sglang
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: bootstrap

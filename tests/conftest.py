@@ -240,6 +240,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"dsv3": plain, "dsv3-int4": int4, "dsv3-draft": draft}
 
 
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama, the architecture vLLM's and SGLang's CPU engines both run."""
+    need_module("torch", "reference")
+    return made_once(shared_dir(tmp_path_factory, "models"), "tiny-llama", "--arch", "llama")
+
+
 @dataclass
 class Served:
     url: str
@@ -249,7 +256,11 @@ class Served:
 
 
 def serve_reference(
-    model: Path, *, api_key: str | None = None, draft: Path | None = None
+    model: Path,
+    *,
+    api_key: str | None = None,
+    draft: Path | None = None,
+    sglang_version: str | None = None,
 ) -> Served:
     from tests.support.sshd import free_port
 
@@ -258,7 +269,14 @@ def serve_reference(
     key_env = "KDCTL_TEST_SERVE_KEY" if api_key else None
     if api_key:
         env["KDCTL_TEST_SERVE_KEY"] = api_key
-    args = serve_argv(model, port, served_name=model.name, api_key_env=key_env, draft=draft)
+    args = serve_argv(
+        model,
+        port,
+        served_name=model.name,
+        api_key_env=key_env,
+        draft=draft,
+        sglang_version=sglang_version,
+    )
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -181,6 +181,14 @@ def parse_config_settings(items: Sequence[str]) -> dict[str, Any]:
     return settings
 
 
+# A plain transcript: every engine that serves chat (SGLang, vLLM, the reference server) needs
+# the tokenizer's template, and refuses chat without one.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def _tokenizer(text: str) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -197,6 +205,7 @@ def _tokenizer(text: str) -> Any:
     tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
+        chat_template=CHAT_TEMPLATE,
         bos_token="<s>",  # noqa: S106 - special tokens, not secrets
         eos_token="</s>",  # noqa: S106
         pad_token="<pad>",  # noqa: S106

@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from kdctl import __version__
 from kdctl.backends._types import GenerateRequest, GenerateResult
 from kdctl.backends.reference import require_extra
 from kdctl.backends.reference.engine import ReferenceEngine, final
-from kdctl.backends.reference.shapes import DEFAULT_VERSION, SHAPES
+from kdctl.backends.reference.shapes import DEFAULT_VERSION, EMBEDDING_0523, SHAPES
 from kdctl.backends.reference.speculative import open_engine
 from kdctl.errors import InputError
 
@@ -210,6 +211,12 @@ def create_app(
             "has_audio_understanding": False,
             "model_type": config.get("model_type"),
             "architectures": config.get("architectures"),
+            "served_model_name": state.served_name,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "embedding": EMBEDDING_0523,
         }
         return JSONResponse({k: known[k] for k in shape.model_info})
 
@@ -239,11 +246,12 @@ def create_app(
             }
         )
 
-    def schema_error(message: str) -> JSONResponse:
-        if shape.schema_error == "detail":
+    def schema_error(message: str, *, parsed: bool = True) -> JSONResponse:
+        form = shape.schema_error if parsed else (shape.body_error or shape.schema_error)
+        if form == "detail":
             detail = [{"type": "value_error", "loc": ["body"], "msg": message, "input": None}]
             return JSONResponse({"detail": detail}, 422)
-        if shape.schema_error == "text":
+        if form == "text":
             return JSONResponse({"error": message}, 400)
         return error(400, message)
 
@@ -251,14 +259,20 @@ def create_app(
         try:
             data = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return schema_error("the body is not JSON")
+            return schema_error("the body is not JSON", parsed=False)
         if not isinstance(data, dict):
-            return schema_error("the body must be a JSON object")
+            return schema_error("the body must be a JSON object", parsed=False)
         got = engine_or_503()
         if isinstance(got, JSONResponse):
             return got
         sp = data.get("sampling_params") or {}
         stream = bool(data.get("stream"))
+        unknown = sorted(set(sp) - _SAMPLING_KEYS) if isinstance(sp, dict) else []
+        if shape.strict_sampling and unknown:
+            return schema_error(
+                f"unknown field `{unknown[0]}`, expected one of "
+                + ", ".join(f"`{k}`" for k in sorted(_SAMPLING_KEYS))
+            )
         try:
             req = GenerateRequest(
                 text=data.get("text"),
@@ -286,6 +300,7 @@ def create_app(
         rid = str(data.get("rid") or uuid.uuid4().hex)
         want_lp = bool(data.get("return_logprob"))
         started = time.perf_counter()
+        clock = _Clock(time.time(), started)
 
         sent = {"ids": 0, "text": 0}
 
@@ -303,8 +318,11 @@ def create_app(
                 meta["spec_verify_ct"] = result.spec_verify_ct
             if result.spec_verify_ct:
                 meta.update(_accept(result, getattr(got, "draft_tokens", 0)))
-            meta.update({k: _META_EXTRA[k]() for k in shape.meta_extra})
+            meta.update({k: _META_EXTRA[k](result, clock) for k in shape.meta_extra})
+            if done:
+                meta.update({k: _META_EXTRA[k](result, clock) for k in shape.meta_done_extra})
             if want_lp:
+                meta.update({k: _META_EXTRA[k](result, clock) for k in shape.logprob_extra})
                 meta["output_token_logprobs"] = [
                     [t.logprob, t.token_id, None] for t in result.logprobs
                 ]
@@ -342,7 +360,7 @@ def create_app(
             return JSONResponse({"error": {"message": message}}, 400)
         err: dict[str, Any] = {"message": message}
         if shape.rich_stream_error:
-            err.update(type="BadRequestError", code=400, retryable=False)
+            err.update(type="invalid_request_error", code=400, retryable=False)
         events = f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n"
         return Response(events, 200, media_type="text/event-stream")
 
@@ -356,6 +374,8 @@ def create_app(
             "root": str(model_dir),
             "max_model_len": ctx,
         }
+        if shape.openai_extra:
+            card["parent"] = None
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(request: Request) -> Response:
@@ -377,7 +397,7 @@ def create_app(
                 messages = data.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise ValueError("messages must be a non-empty list")
-                prompt: Any = _chat_prompt(messages)
+                prompt: Any = _chat_prompt(got, messages)
             else:
                 prompt = data.get("prompt")
             text = prompt if isinstance(prompt, str) else None
@@ -410,11 +430,14 @@ def create_app(
             return got.decode([token_id])
 
         def usage(r: GenerateResult) -> dict[str, int]:
-            return {
+            counts = {
                 "prompt_tokens": r.prompt_tokens,
                 "completion_tokens": r.completion_tokens,
                 "total_tokens": r.prompt_tokens + r.completion_tokens,
             }
+            if shape.openai_extra:
+                counts["reasoning_tokens"] = 0
+            return counts
 
         def logprobs(r: GenerateResult, start: int) -> dict[str, Any] | None:
             if not want_lp:
@@ -476,6 +499,7 @@ def create_app(
                 "model": state.served_name,
                 "choices": [choice(last, last.text, 0, True, False)],
                 "usage": usage(last),
+                **({"metadata": _weights(last)} if shape.openai_extra else {}),
             }
         )
 
@@ -497,6 +521,7 @@ def create_app(
         ),
         Route("/generate", generate, methods=["POST", "PUT"]),
         Route("/v1/models", models, methods=["GET"]),
+        *([Route("/ready", health, methods=["GET"])] if shape.ready_route else []),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -563,11 +588,79 @@ def _check(engine: ReferenceEngine, req: GenerateRequest) -> None:
 
 
 # What a live SGLang sent under these names on a plain answer (captured 0.5.6.post2).
-_META_EXTRA: dict[str, Any] = {
-    "weight_version": lambda: "default",
-    "total_retractions": lambda: 0,
-    "response_sent_to_client_ts": time.time,
+@dataclass(frozen=True)
+class _Clock:
+    received: float  # wall clock
+    started: float  # perf counter
+
+
+def _weights(r: GenerateResult) -> dict[str, Any]:
+    return {
+        "weight_version": "default",
+        "weight_versions": [{"version": "default", "start": 0, "end": r.completion_tokens}],
+    }
+
+
+# SGLang's meta_info keys that kdctl does not read, with values of their kind; the timing
+# stamps are the ones its --enable-metrics adds (the reference server always exports metrics).
+_META_EXTRA: dict[str, Callable[[GenerateResult, _Clock], Any]] = {
+    "weight_version": lambda r, c: "default",
+    "weight_versions": lambda r, c: _weights(r)["weight_versions"],
+    "total_retractions": lambda r, c: 0,
+    "num_retractions": lambda r, c: 0,
+    "reasoning_tokens": lambda r, c: 0,
+    "cached_tokens_details": lambda r, c: None,
+    "dp_rank": lambda r, c: None,
+    "storage_prefetch_wait": lambda r, c: 0.0,
+    "storage_staging_wait": lambda r, c: 0.0,
+    "queue_time": lambda r, c: 0.0,
+    "request_received_ts": lambda r, c: c.received,
+    "api_server_dispatch_finish_ts": lambda r, c: c.received,
+    "forward_entry_time": lambda r, c: c.received,
+    "prefill_finished_time": lambda r, c: time.time(),
+    "first_token_latency": lambda r, c: time.perf_counter() - c.started,
+    "decode_throughput": lambda r, c: (
+        r.completion_tokens / max(time.perf_counter() - c.started, 1e-9)
+    ),
+    "request_finished_ts": lambda r, c: time.time(),
+    "response_sent_to_client_ts": lambda r, c: time.time(),
+    "input_token_logprobs": lambda r, c: [],
+    "input_top_logprobs": lambda r, c: [],
+    "output_token_logprobs_length": lambda r, c: len(r.logprobs),
 }
+# The keys of 0.5.23's sampling_params schema, which refuses any other.
+_SAMPLING_KEYS = frozenset(
+    (
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "n",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+        "beam_width",
+        "watermark",
+        "choice",
+    )
+)
 
 
 def _accept(result: GenerateResult, draft_tokens: int) -> dict[str, float]:
@@ -604,14 +697,15 @@ def _message(exc: Exception) -> str:
     return str(exc)
 
 
-def _chat_prompt(messages: list[Any]) -> str:
-    # The tiny tokenizers have no chat template; a plain transcript is enough for a reference.
-    parts = []
+def _chat_prompt(engine: ReferenceEngine, messages: list[Any]) -> str:
+    """The tokenizer's own chat template applied, as SGLang does; a tokenizer without one is
+    refused with transformers' ValueError, as SGLang refuses it."""
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise ValueError("each message needs a role and string content")
-        parts.append(f"{m.get('role', 'user')}: {m['content']}\n")
-    return "".join(parts) + "assistant:"
+    return str(
+        engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
 
 
 def _sse(obj: str, rid: str, model: str, choice: dict[str, Any] | None, usage: Any = None) -> str:

@@ -10,7 +10,7 @@ holds one answer of each shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 IdsInStream = Literal["none", "new", "all"]
@@ -32,10 +32,24 @@ class Shape:
     schema_error: Literal["detail", "flat", "text"]
     # /health: a plain 200 (0.4.3 to 0.4.6), or only when a generation can run (0.4.10 on).
     health_generates: bool
+    # A body that is not a JSON object, where the release parses it apart from its request
+    # schema: FastAPI's flat error object in 0.5.23. None: as `schema_error`.
+    body_error: Literal["detail", "flat", "text"] | None = None
+    # An unknown `sampling_params` key refused, 400 {"error": text} (0.5.23's request schema).
+    strict_sampling: bool = False
     # An error event in a stream carries type, code and retryable beside its message (0.5.23).
     rich_stream_error: bool = False
     # meta_info keys beyond the ones kdctl reads, as a live server of the release sent them.
     meta_extra: tuple[str, ...] = ()
+    # ...and only on a request's last event or whole answer.
+    meta_done_extra: tuple[str, ...] = ()
+    # ...and with return_logprob, beside the output logprobs.
+    logprob_extra: tuple[str, ...] = ()
+    # GET /ready (0.5.23).
+    ready_route: bool = False
+    # OpenAI answers with `metadata` (weight versions) and `usage.reasoning_tokens`, model
+    # cards with `parent` (0.5.23).
+    openai_extra: bool = False
     # /get_model_info's keys, in the order the release sends them.
     model_info: tuple[str, ...] = ("model_path", "tokenizer_path", "is_generation")
 
@@ -52,6 +66,99 @@ _MODEL_INFO = (
     "has_audio_understanding",
     "model_type",
     "architectures",
+)
+
+
+# 0.5.23 as SGLang 0.5.23 itself answered, on the CPU with --enable-metrics (which adds the
+# timing stamps), in tests/test_sglang_live.py.
+_MODEL_INFO_0523 = (
+    "model_path",
+    "served_model_name",
+    "tokenizer_path",
+    "is_generation",
+    "preferred_sampling_params",
+    "weight_version",
+    "load_format",
+    "reasoning_parser",
+    "tool_call_parser",
+    "disaggregation_mode",
+    "has_image_understanding",
+    "has_audio_understanding",
+    "model_type",
+    "architectures",
+    "embedding",
+)
+# What 0.5.23's /get_model_info says of a generation model under `embedding` (its capture
+# batch sizes shortened: only their kind is compared).
+EMBEDDING_0523 = {
+    "family": "none",
+    "task": "none",
+    "execution": "none",
+    "attention": "none",
+    "pooling": "model_defined",
+    "normalize": False,
+    "postprocessor": "none",
+    "tokenizer_special_tokens": "model_default",
+    "supports_dimensions": False,
+    "supports_token_embeddings": False,
+    "supports_multimodal": False,
+    "requires_embedding_flag": False,
+    "auto_enable_embedding": False,
+    "bcg_eligibility": "disabled",
+    "safe_disable_kv_cache": False,
+    "safe_disable_radix_cache": False,
+    "safe_disable_chunked_prefill": False,
+    "enabled": False,
+    "matryoshka_dimensions": [],
+    "bcg": {
+        "prefill_backend": "disabled",
+        "enabled": False,
+        "capture_token_budget": 4096,
+        "capture_batch_sizes": [4, 8, 12, 16],
+    },
+    "cache": {
+        "kv_cache_disabled": False,
+        "radix_cache_disabled": False,
+        "chunked_prefill_disabled": False,
+    },
+}
+_META_0523 = (
+    "weight_version",
+    "num_retractions",
+    "storage_prefetch_wait",
+    "storage_staging_wait",
+    "forward_entry_time",
+    "prefill_finished_time",
+    "queue_time",
+    "reasoning_tokens",
+    "cached_tokens_details",
+    "dp_rank",
+    "response_sent_to_client_ts",
+)
+_META_DONE_0523 = (
+    "weight_versions",
+    "request_received_ts",
+    "first_token_latency",
+    "api_server_dispatch_finish_ts",
+    "request_finished_ts",
+    "decode_throughput",
+)
+_0523 = Shape(
+    "0.5.23",
+    "all",
+    False,
+    True,
+    "text",
+    health_generates=True,
+    body_error="flat",
+    strict_sampling=True,
+    rich_stream_error=True,
+    meta_extra=_META_0523,
+    meta_done_extra=_META_DONE_0523,
+    logprob_extra=("input_token_logprobs", "input_top_logprobs", "output_token_logprobs_length"),
+    ready_route=True,
+    openai_extra=True,
+    model_info=_MODEL_INFO_0523,
 )
 
 
@@ -83,26 +190,8 @@ SHAPES: dict[str, Shape] = {
             meta_extra=("weight_version", "total_retractions", "response_sent_to_client_ts"),
             model_info=_MODEL_INFO,
         ),
-        Shape(
-            "0.5.23",
-            "all",
-            False,
-            True,
-            "text",
-            health_generates=True,
-            rich_stream_error=True,
-            model_info=_MODEL_INFO,
-        ),
-        Shape(
-            "0.5.23-incremental",
-            "new",
-            True,
-            True,
-            "text",
-            health_generates=True,
-            rich_stream_error=True,
-            model_info=_MODEL_INFO,
-        ),
+        _0523,
+        replace(_0523, version="0.5.23-incremental", output_ids="new", incremental_text=True),
     )
 }
 # What the reference server answers like unless told otherwise.

@@ -332,6 +332,7 @@ _LONGEST_FIRST = (
     "test_serving.py",
     "test_traffic_faults.py",
     "test_vllm.py",
+    "test_sglang_live.py",
 )
 
 

@@ -1,6 +1,7 @@
 """kdctl's SGLang client against what live SGLang servers answered.
 
-SGLang cannot run here (it needs its CUDA kernels), but its documentation build runs notebooks
+Of the releases before 0.5.23 none runs here (their CPU engines need SGLang's compiled kernels;
+0.5.23 runs in tests/test_sglang_live.py), but SGLang's documentation build runs notebooks
 against a live server started from its main branch and keeps every cell's output; from those,
 release by release, tests/fixtures/sglang/captured/ holds /generate, /get_model_info,
 /get_server_info and /health as they were sent (the version is the one that server's own

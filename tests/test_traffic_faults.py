@@ -281,7 +281,13 @@ def test_gates_recorded_while_a_cutover_runs_and_a_second_cutover_is_refused(
     )
     for w in writers:
         w.start()
-    time.sleep(1.5)  # the canary holds the lock through its watch
+    # The canary holds the lock through its watch; a loaded machine can take seconds to start
+    # it, and a second cutover started before it would take the lock first.
+    lock = Path(inv).parent / "state" / "traffic.lock"
+    deadline = time.monotonic() + 120
+    while f"pid {canary.pid} " not in (lock.read_text() if lock.exists() else ""):
+        assert canary.poll() is None and time.monotonic() < deadline, canary.communicate()
+        time.sleep(0.05)
     second = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", inv)
     for w in writers:
         w.join(300)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -82,6 +82,12 @@ class EngineInfo(BaseModel):
     version: str | None = None
     tp_size: int | None = None
     context_length: int | None = None
+    # How the engine was started, as it reports it (SGLang's server arguments, a native
+    # engine's own): a result holds only while these are what they were when it was measured.
+    settings: dict[str, Any] | None = None
+    # The engine's own count of tokens per verification step over its lifetime, where it
+    # decodes speculatively and says so (SGLang's internal_states[].avg_spec_accept_length).
+    spec_accept_length: float | None = None
 
 
 def count(value: object) -> int | None:

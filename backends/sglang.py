@@ -86,6 +86,8 @@ class SGLangBackend(HttpBackend):
             tp_size=server.get("tp_size"),
             # Not max_req_input_len: that is the longest prompt, a smaller number.
             context_length=server.get("context_length"),
+            settings=engine_settings(server),
+            spec_accept_length=_accept_length(server),
         )
 
     def _body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
@@ -222,3 +224,74 @@ def _finish(finish: Any) -> tuple[FinishReason, int | str | None]:
     if kind not in ("length", "stop", "abort"):
         kind = "abort" if kind else "length"
     return kind, matched  # type: ignore[return-value]
+
+
+# What /server_info holds beside the server arguments (figures of this start, the version,
+# scheduler state), and the arguments that say nothing of how the engine computes: where it
+# listens, what it logs and exports, its keys, a seed drawn afresh at each start.
+_NOT_SETTINGS = frozenset(
+    {
+        "version",
+        "internal_states",
+        "avg_spec_accept_length",
+        "startup_time",
+        "memory_usage",
+        "last_gen_throughput",
+        "effective_max_running_requests_per_dp",
+        "decode_cuda_graph_bs",
+        "decode_cuda_graph_memory_gb",
+        "max_total_num_tokens",
+        "max_req_input_len",
+        "status",
+        "host",
+        "port",
+        "nccl_port",
+        "dist_init_addr",
+        "fastapi_root_path",
+        "random_seed",
+        "watchdog_timeout",
+        "soft_watchdog_timeout",
+        "file_storage_path",
+        "download_dir",
+        "crash_dump_folder",
+        "decode_log_interval",
+        "show_time_cost",
+        "enable_metrics",
+        "enable_metrics_for_all_schedulers",
+        "enable_request_time_stats_logging",
+        "enable_trace",
+        "trace_modules",
+        "gc_warning_threshold_secs",
+        "kv_events_config",
+        "load_snapshot_publish_interval",
+        "extra_metric_labels",
+        "uvicorn_access_log_exclude_prefixes",
+    }
+)
+_NOT_SETTINGS_PREFIXES = ("log_", "ssl_", "otlp_", "bucket_", "export_metrics", "tokenizer_metrics")
+
+
+def _accept_length(server: dict[str, Any]) -> float | None:
+    """SGLang's lifetime accept length, averaged over its data-parallel ranks (a top-level key
+    in 0.4.3); absent until a speculative step has run."""
+    states = server.get("internal_states")
+    found = (
+        [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
+        if isinstance(states, list)
+        else []
+    )
+    found.append(server.get("avg_spec_accept_length"))
+    values = [float(v) for v in found if isinstance(v, int | float) and not isinstance(v, bool)]
+    return sum(values) / len(values) if values else None
+
+
+def engine_settings(server: dict[str, Any]) -> dict[str, Any]:
+    """The server arguments SGLang reports that bear on what it computes and how fast, keys and
+    passwords left out whatever they hold (several releases print them)."""
+    return {
+        k: v
+        for k, v in sorted(server.items())
+        if k not in _NOT_SETTINGS
+        and not k.startswith(_NOT_SETTINGS_PREFIXES)
+        and not any(secret in k for secret in ("api_key", "password", "secret", "watermark_key"))
+    }

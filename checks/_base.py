@@ -171,7 +171,7 @@ def provenance_for(
         tp_size=identity["tp_size"],
         workload_hash=workload,
         kdctl_version=__version__,
-    )
+    ).with_settings(info.settings if info else None)
 
 
 def _builtin() -> dict[str, type[Gate]]:

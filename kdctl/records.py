@@ -116,6 +116,34 @@ class Provenance(BaseModel):
     baseline_weights: str | None = None
     baseline_host_id: str | None = None
     baseline_engine_version: str | None = None
+    # How the engine was started, as it reported it (EngineInfo.settings): a digest of all its
+    # settings, and by name those a reader asks about first, so that a change can be said.
+    engine_settings: str | None = None
+    engine_settings_named: dict[str, Any] | None = None
+
+    def with_settings(self, settings: dict[str, Any] | None) -> Provenance:
+        if settings is None:
+            return self
+        named = {k: settings[k] for k in NAMED_SETTINGS if k in settings}
+        return self.model_copy(
+            update={
+                "engine_settings": content_hash(settings)[:16],
+                "engine_settings_named": named,
+            }
+        )
+
+    def settings_change(self, now: Provenance) -> str:
+        """What changed in the engine's settings from this to `now`, by name where it can."""
+        then_named, now_named = self.engine_settings_named or {}, now.engine_settings_named or {}
+        changed = sorted(
+            k for k in then_named.keys() | now_named.keys() if then_named.get(k) != now_named.get(k)
+        )
+        if changed:
+            return "engine settings: " + "; ".join(
+                f"{k} {then_named.get(k)} -> {now_named.get(k)}" for k in changed
+            )
+        shown = "unknown" if now.engine_settings is None else now.engine_settings
+        return f"engine settings {self.engine_settings} -> {shown} (an argument not named here)"
 
     def with_baseline(self, baseline: Provenance) -> Provenance:
         """This, with the identity of the baseline it was compared against beside it."""
@@ -131,17 +159,30 @@ class Provenance(BaseModel):
         """The identity fields (of `fields`, else all) both know and disagree on, as
         "field then -> now"; and the bindings (checkpoint fingerprint, host id) `other` knows
         that this never recorded, since then nothing ties this to what `other` is."""
-        names = fields or ("engine_version", "model_path", "weights", "host_id", "tp_size")
+        names = fields or (
+            "engine_version",
+            "model_path",
+            "weights",
+            "host_id",
+            "tp_size",
+            "engine_settings",
+        )
+        owed = {
+            "weights": self.model_path is not None,
+            "host_id": True,
+            "engine_settings": self.engine_version is not None,
+        }
         out = []
         for name in names:
             then, now = getattr(self, name), getattr(other, name)
             if now is None:
                 continue
             if then is None:
-                if name in ("weights", "host_id") and (name != "weights" or self.model_path):
+                if owed.get(name, False):
                     out.append(f"{name} not recorded -> {now}")
             elif then != now:
-                out.append(f"{name} {then} -> {now}")
+                change = self.settings_change(other) if name == "engine_settings" else None
+                out.append(change or f"{name} {then} -> {now}")
         return out
 
     @model_serializer(mode="wrap")
@@ -155,7 +196,41 @@ class Provenance(BaseModel):
         return data
 
 
-_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id", "baseline_engine_version")
+_BOUND = (
+    "weights",
+    "host_id",
+    "baseline_weights",
+    "baseline_host_id",
+    "baseline_engine_version",
+    "engine_settings",
+    "engine_settings_named",
+)
+# SGLang's names for the settings asked about first: speculative decoding, precision,
+# parallelism, batching, attention.
+NAMED_SETTINGS = (
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "quantization",
+    "dtype",
+    "kv_cache_dtype",
+    "tp_size",
+    "dp_size",
+    "ep_size",
+    "pp_size",
+    "enable_dp_attention",
+    "attention_backend",
+    "chunked_prefill_size",
+    "max_running_requests",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+    "enable_torch_compile",
+    "context_length",
+    "device",
+    "incremental_streaming_output",
+)
 
 
 class GateResult(BaseModel):

@@ -58,6 +58,10 @@ class BackendStatus(BaseModel):
     # Whether the engine itself reported tp_size; else it is the inventory's figure.
     tp_size_reported: bool = False
     context_length: int | None = None
+    # Whether the engine decodes speculatively, by its own settings (its algorithm), and its
+    # own lifetime count of tokens per verification; None where it does not say.
+    speculative: str | None = None
+    spec_accept_length: float | None = None
     identity: Literal["live", "declared"] = "declared"
     service: ServiceState | None = None
 
@@ -141,6 +145,9 @@ def _identify(
     status.served_name = info.served_name
     status.version = info.version
     status.context_length = info.context_length
+    if info.settings is not None:
+        status.speculative = str(info.settings.get("speculative_algorithm") or "none")
+    status.spec_accept_length = info.spec_accept_length
     notes = []
     if info.tp_size is not None:
         if info.tp_size != spec.tp_size:

@@ -28,7 +28,7 @@ from kdctl.readiness import Answers
 from kdctl.records import Baseline, GateResult
 from kdctl.roadmap import CriterionStatus, Measured, PhaseReport
 from kdctl.sandbox import HistoryPoint, SandboxStatus
-from kdctl.status import StatusReport
+from kdctl.status import BackendStatus, StatusReport
 from kdctl.traffic.runner import CutoverOutcome, Plan
 
 _STATE_STYLE = {"up": "green", "starting": "yellow", "down": "red", "unknown": "magenta"}
@@ -83,7 +83,8 @@ def status_tables(report: StatusReport) -> Group:
         )
 
     backends = Table(title="Backends", title_justify="left")
-    cols = ("backend", "kind", "url", "state", "latency", "model", "version", "TP", "service")
+    cols: tuple[str, ...] = ("backend", "kind", "url", "state", "latency", "model", "version")
+    cols = (*cols, "TP", "drafts", "service")
     for col in (*cols, "detail"):
         backends.add_column(col)
     for b in report.backends:
@@ -101,6 +102,7 @@ def status_tables(report: StatusReport) -> Group:
             _t(b.model if b.identity == "live" or not b.model else f"{b.model} (inventory)"),
             _t(b.version),
             str(b.tp_size) if b.tp_size_reported else f"{b.tp_size} (inventory)",
+            _t(_drafts(b)),
             _t(service),
             Text(b.detail or ""),
         )
@@ -438,3 +440,13 @@ def history_lines(points: list[HistoryPoint]) -> list[str]:
         when = f"dated {p.dated:%Y-%m-%d} ({back} days back)" if back else "serving now"
         lines.append(f"{p.build:<10} {when:<30} {p.verdict:<5} {shown}")
     return [*lines, f"measured {points[-1].measured_at:%Y-%m-%d %H:%M}Z" if points else "none"]
+
+
+def _drafts(b: BackendStatus) -> str | None:
+    """The engine's own word on speculative decoding: its algorithm and, once it has verified
+    drafts, its lifetime tokens per step; nothing where it does not say."""
+    if b.speculative is None or b.speculative == "none":
+        return b.speculative
+    if b.spec_accept_length is None:
+        return f"{b.speculative}, nothing verified yet"
+    return f"{b.speculative}, {b.spec_accept_length:.2f} tok/step (its own count)"

@@ -159,6 +159,45 @@ def test_freshness_by_age_and_by_provenance() -> None:
     assert freshness(r, window=hour, current=PROV, live=False).fresh
 
 
+def test_a_result_holds_only_under_the_engine_settings_it_was_measured_with() -> None:
+    """A speed measured while the engine drafted says nothing of it restarted without its
+    draft: same version, model, weights and machine, other server arguments."""
+    hour = timedelta(hours=1)
+    args = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "schedule_policy": "lpm"}
+    drafting = PROV.with_settings(args)
+    assert drafting.engine_settings_named == {
+        "speculative_algorithm": "EAGLE",
+        "speculative_num_steps": 3,
+    }
+    measured = result().model_copy(update={"provenance": drafting})
+    assert freshness(measured, window=hour, current=drafting).fresh
+    plain = PROV.with_settings({**args, "speculative_algorithm": None})
+    off = freshness(measured, window=hour, current=plain)
+    assert not off.fresh and "speculative_algorithm EAGLE -> None" in off.reason
+    # A setting not named still parts them, said as such.
+    fcfs = freshness(
+        measured, window=hour, current=PROV.with_settings({**args, "schedule_policy": "fcfs"})
+    )
+    assert not fcfs.fresh and "an argument not named here" in fcfs.reason
+    # A result from before settings were recorded cannot say it ran under these.
+    unbound = freshness(result(), window=hour, current=drafting)
+    assert not unbound.fresh and "recorded without the engine's settings" in unbound.reason
+    # Nor can a recorded baseline run, which is then passed over.
+    assert PROV.differs_from(drafting) == [
+        f"engine_settings not recorded -> {drafting.engine_settings}"
+    ]
+    assert drafting.differs_from(plain) == ["engine settings: speculative_algorithm EAGLE -> None"]
+    # A gate that asked no engine (a host's) owes none; an engine that cannot say its settings
+    # (the OpenAI API has no such route) holds a result to none.
+    host_only = PROV.model_copy(update={"engine_version": None})
+    assert freshness(
+        result().model_copy(update={"provenance": host_only}),
+        window=hour,
+        current=drafting.model_copy(update={"engine_version": None}),
+    ).fresh
+    assert freshness(result(), window=hour, current=PROV).fresh
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], EvidenceStore]:
     """Stores made on demand, of one kind per run of the test: SQLite files, or databases of

@@ -154,3 +154,42 @@ def test_a_promotion_holds_only_while_the_front_answers_from_it() -> None:
     assert down == "the front serves nothing (seen): all traffic on native is not seen"
     unknown = front(None, None, {"native": 100}).promoted("native")
     assert unknown is not None and "cannot be asked from here" in unknown
+
+
+def test_an_engine_restarted_under_other_settings_makes_old_evidence_stale(
+    tmp_path: Path, models: dict[str, Path], reference_server: Served
+) -> None:
+    """Evidence taken while the candidate decoded speculatively, then the same engine on the
+    same weights restarted without its draft: what its server arguments say now decides."""
+    candidate = serve_reference(models["dsv3"], draft=models["dsv3-draft"])
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": engine_pair(reference_server.url, candidate.url),
+            "gates": {"exactness": {"max_new_tokens": 8, "top_k": 3}},
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    try:
+        ran = kdctl("phases", "--run", "-i", str(inv), "--json")
+        assert ran.code == 0, ran.out + ran.err
+        assert _answers(inv, tmp_path)["criterion"]["state"] == "pass"
+        listed = kdctl("evidence", "list", "--gate", "exactness", "--json", "-i", str(inv))
+        recorded = json.loads(listed.out)["results"][0]["provenance"]
+        assert recorded["engine_settings_named"]["speculative_algorithm"] == "STANDALONE"
+
+        candidate.proc.terminate()
+        candidate.proc.wait(10)
+        candidate = serve_reference(models["dsv3"])
+        inv.write_text(inv.read_text().replace(candidate_url_of(inv), candidate.url))
+        after = _answers(inv, tmp_path)
+        assert after["can"] is False
+        c = after["criterion"]
+        assert c["state"] == "stale", c
+        assert "speculative_algorithm STANDALONE -> None" in c["reason"], c
+    finally:
+        candidate.proc.terminate()
+        candidate.proc.wait(10)

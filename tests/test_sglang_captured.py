@@ -224,3 +224,22 @@ def test_the_canary_reads_sglangs_own_metrics_as_scraped(tmp_path: Path) -> None
     # Any SLO under that floor is broken, whatever lies past it.
     ms, note, breach = engine_ttft(busy, "p50", 100)
     assert ms == 30_000 and breach.startswith("TTFT p50 over 30000 ms")
+
+
+@pytest.mark.parametrize("version", CAPTURED)
+def test_settings_and_acceptance_from_each_captured_server_info(version: str) -> None:
+    """Every release's server info gives settings to bind evidence to, never its version or
+    figures of that start, and no accept length for a server that does not draft."""
+    from kdctl.backends.sglang import _accept_length, engine_settings
+
+    info = body(exchange(captured(version), "/get_server_info", "/server_info"))
+    settings = engine_settings(info)
+    assert settings and "version" not in settings and "port" not in settings
+    assert not {"random_seed", "max_total_num_tokens", "internal_states"} & set(settings)
+    assert _accept_length(info) is None
+    drafting = {
+        **info,
+        "internal_states": [{"avg_spec_accept_length": 2.5}, {}, {"avg_spec_accept_length": 3.5}],
+    }
+    assert _accept_length(drafting) == 3.0
+    assert _accept_length({"avg_spec_accept_length": 1.75}) == 1.75  # 0.4.3's flat key

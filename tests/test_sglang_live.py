@@ -146,6 +146,18 @@ def test_sglang_and_the_reference_engine_on_one_model(
     )
 
 
+def test_sglang_settings_are_its_server_arguments_less_those_of_this_start(sglang: str) -> None:
+    """What evidence is bound to: the same on every read, without the port, the seed drawn at
+    start or the memory found free, and saying the engine does not draft."""
+    with client(sglang) as be:
+        first, again = be.info(), be.info()
+    assert first.settings is not None and first.settings == again.settings
+    assert first.settings["attention_backend"] == "torch_native"
+    assert first.settings["speculative_algorithm"] is None and first.spec_accept_length is None
+    for per_start in ("port", "random_seed", "max_total_num_tokens", "memory_usage", "api_key"):
+        assert per_start not in first.settings
+
+
 def test_sglang_refusals_reach_the_user_as_its_message(sglang: str) -> None:
     over = GenerateRequest(input_ids=[5] * 1100, max_new_tokens=4)
     with client(sglang) as be:

@@ -214,3 +214,35 @@ def test_an_accept_length_from_engine_counters_is_the_loads_own_or_none() -> Non
     # No drafting at all in the window: one token a step, measured, not missing.
     idle = SpecCounters(drafts=10, accepted=20, generated=220)
     assert _with_engine_acceptance(run, before, idle, warmup=0).spec_accept_length == 1.0
+
+
+def test_status_says_which_engine_drafts_by_its_own_word(
+    speculative: Served, reference_server: Served, tmp_path: Path
+) -> None:
+    """`kdctl status` reads speculative decoding from each engine's server arguments, and the
+    accept length from its own lifetime count, which SGLang keeps in /server_info."""
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "drafting": {"kind": "sglang", "host": "local", "url": speculative.url},
+                "plain": {"kind": "sglang", "host": "local", "url": reference_server.url},
+            },
+        },
+    )
+    _generate(speculative.url, "def fib(n):", stream=False)
+    info = httpx.get(f"{speculative.url}/server_info").json()
+    (state,) = info["internal_states"]
+    run = kdctl("status", "-i", str(inv), "--json")
+    assert run.code == 0, run.err
+    backends = {b["name"]: b for b in json.loads(run.out)["backends"]}
+    assert backends["drafting"]["speculative"] == "STANDALONE"
+    # Its count since start (this request's and the module's earlier ones), as the engine
+    # said it: at least the one token a verification always adds, at most the draft's four more.
+    said = backends["drafting"]["spec_accept_length"]
+    assert said == pytest.approx(state["avg_spec_accept_length"]) and 1 <= said <= 5
+    assert backends["plain"]["speculative"] == "none"
+    assert backends["plain"]["spec_accept_length"] is None
+    table = kdctl("status", "-i", str(inv), env={"COLUMNS": "300"})
+    assert "STANDALONE, " in table.out and "tok/step (its own count)" in table.out

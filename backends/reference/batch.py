@@ -42,7 +42,7 @@ def run_contract(
         print(f"{request}: not a valid request file: {exc}", file=sys.stderr)
         return EXIT_BAD_REQUEST
     try:
-        from kdctl.backends.reference.speculative import open_engine
+        from kdctl.backends.reference.speculative import open_engine, reference_settings
 
         engine = open_engine(model_dir, draft, draft_tokens=draft_tokens)
     except Exception as exc:
@@ -67,6 +67,7 @@ def run_contract(
             version=f"kdctl-reference {__version__}",
             tp_size=1,
             context_length=engine.context_length,
+            settings=reference_settings(model_dir, draft, draft_tokens),
         ),
         results=results,
     )

@@ -35,7 +35,7 @@ from kdctl.backends._types import GenerateRequest, GenerateResult
 from kdctl.backends.reference import require_extra
 from kdctl.backends.reference.engine import ReferenceEngine, final
 from kdctl.backends.reference.shapes import DEFAULT_VERSION, EMBEDDING_0523, SHAPES
-from kdctl.backends.reference.speculative import open_engine
+from kdctl.backends.reference.speculative import open_engine, reference_settings
 from kdctl.errors import InputError
 
 VERSION = f"kdctl-reference {__version__}"
@@ -97,6 +97,16 @@ class _State:
             registry=self.registry,
             buckets=E2E_BUCKETS,
         ).labels(served_name)
+        # Tokens and verification steps of every request decoded speculatively since start.
+        self.spec_tokens = 0
+        self.spec_steps = 0
+
+    def accept_state(self) -> dict[str, float]:
+        """SGLang's internal state for speculation: its lifetime tokens per verification step,
+        once a step has run."""
+        if not self.spec_steps:
+            return {}
+        return {"avg_spec_accept_length": self.spec_tokens / self.spec_steps}
 
     def load(self, ready_line: str | None) -> None:
         try:
@@ -180,6 +190,9 @@ def create_app(
         finally:
             state.running.dec()
             if last is not None:
+                if last.spec_verify_ct:
+                    state.spec_tokens += last.completion_tokens
+                    state.spec_steps += last.spec_verify_ct
                 state.requests.inc()
                 state.prompt_tokens.inc(last.prompt_tokens)
                 state.generation_tokens.inc(last.completion_tokens)
@@ -226,23 +239,15 @@ def create_app(
             {
                 "model_path": str(model_dir),
                 "served_model_name": state.served_name,
-                "tp_size": 1,
-                "dp_size": 1,
+                **reference_settings(model_dir, draft, draft_tokens, device=device, dtype=dtype),
                 # Null, as SGLang's is unless --context-length was given (every captured
                 # server's): the window is on /v1/models.
                 "context_length": None,
                 "max_req_input_len": ctx,
-                "device": device,
-                "dtype": dtype,
-                "quantization": _quantization(model_dir),
                 "version": VERSION,
                 # A server argument since 0.5.10; older releases stream cumulative text.
                 "incremental_streaming_output": shape.incremental_text,
-                # SGLang's names for a separate draft model's speculative decoding.
-                "speculative_algorithm": "STANDALONE" if draft else None,
-                "speculative_draft_model_path": str(draft) if draft else None,
-                "speculative_num_draft_tokens": draft_tokens if draft else None,
-                "internal_states": [{}],
+                "internal_states": [state.accept_state()],
             }
         )
 
@@ -719,13 +724,6 @@ def _sse(obj: str, rid: str, model: str, choice: dict[str, Any] | None, usage: A
     if usage is not None:
         chunk["usage"] = usage
     return f"data: {json.dumps(chunk)}\n\n"
-
-
-def _quantization(model_dir: Path) -> Any:
-    try:
-        return json.loads((model_dir / "config.json").read_text()).get("kdctl_quantization")
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def serve(

@@ -13,13 +13,42 @@ Sampled requests (temperature > 0) decode plainly on the target and report no ve
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kdctl.backends._types import GenerateRequest, GenerateResult, TokenLogprob
 from kdctl.backends.reference.engine import ReferenceEngine, token_logprob
+from kdctl.backends.reference.model import QUANTIZATION_KEY
 from kdctl.errors import InputError
+
+
+def reference_settings(
+    model_dir: Path,
+    draft: Path | None,
+    draft_tokens: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """How the engine `open_engine` makes runs, under SGLang's names for the same settings:
+    what the reference server's /server_info and its command contract report."""
+    try:
+        quantization = json.loads((model_dir / "config.json").read_text()).get(QUANTIZATION_KEY)
+    except (OSError, json.JSONDecodeError):
+        quantization = None
+    return {
+        "tp_size": 1,
+        "dp_size": 1,
+        "device": device,
+        "dtype": dtype,
+        "quantization": quantization,
+        # SGLang's names for a separate draft model's speculative decoding.
+        "speculative_algorithm": "STANDALONE" if draft else None,
+        "speculative_draft_model_path": str(draft) if draft else None,
+        "speculative_num_draft_tokens": draft_tokens if draft else None,
+    }
 
 
 def open_engine(

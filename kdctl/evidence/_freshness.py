@@ -20,11 +20,13 @@ _IDENTITY = (
     "baseline_host_id",
     "baseline_weights",
     "baseline_engine_version",
+    "engine_settings",
 )
 # A result without the identity of the machine it ran on, or naming a model without a
 # fingerprint of its weights, where either can be read now, cannot say that what it measured
 # is what is there: a stripped or hand-made record would otherwise count on any box.
-_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id")
+_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id", "engine_settings")
+_OWED = {"host_id": "an identity", "engine_settings": "the engine's settings"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ def _names(result: GateResult, field: str) -> bool:
         return result.provenance.model_path is not None
     if field == "host_id":
         return True
+    if field == "engine_settings":
+        # Owed by a result that asked the engine what it runs; a host's gate asked no engine.
+        return result.provenance.engine_version is not None
     return result.baseline is not None
 
 
@@ -81,7 +86,7 @@ def freshness(
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
         if name in _BOUND and then is None and now_value is not None and _names(result, name):
-            what = "an identity" if name.endswith("host_id") else "a fingerprint"
+            what = _OWED.get(name.removeprefix("baseline_"), "a fingerprint")
             changed.append(f"{name}: recorded without {what}, now {now_value}")
             continue
         if then in (None, []):
@@ -91,6 +96,9 @@ def freshness(
             # compares with a baseline asks for its identity.
             continue
         if then != now_value:
+            if name == "engine_settings":
+                changed.append(result.provenance.settings_change(current))
+                continue
             shown_now = "unknown" if now_value in (None, []) else now_value
             changed.append(f"{name} {then} -> {shown_now}")
     if changed:

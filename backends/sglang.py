@@ -243,6 +243,8 @@ _NOT_SETTINGS = frozenset(
         "max_total_num_tokens",
         "max_req_input_len",
         "status",
+        # The command line again (0.5.23): its port, and any key given on it.
+        "launch_command",
         "host",
         "port",
         "nccl_port",

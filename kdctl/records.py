@@ -120,6 +120,8 @@ class Provenance(BaseModel):
     # settings, and by name those a reader asks about first, so that a change can be said.
     engine_settings: str | None = None
     engine_settings_named: dict[str, Any] | None = None
+    baseline_engine_settings: str | None = None
+    baseline_engine_settings_named: dict[str, Any] | None = None
 
     def with_settings(self, settings: dict[str, Any] | None) -> Provenance:
         if settings is None:
@@ -132,18 +134,22 @@ class Provenance(BaseModel):
             }
         )
 
-    def settings_change(self, now: Provenance) -> str:
-        """What changed in the engine's settings from this to `now`, by name where it can."""
-        then_named, now_named = self.engine_settings_named or {}, now.engine_settings_named or {}
+    def settings_change(self, now: Provenance, *, baseline: bool = False) -> str:
+        """What changed in the engine's (or its baseline's) settings from this to `now`, by
+        name where it can."""
+        field = "baseline_engine_settings" if baseline else "engine_settings"
+        then_named = getattr(self, f"{field}_named") or {}
+        now_named = getattr(now, f"{field}_named") or {}
         changed = sorted(
             k for k in then_named.keys() | now_named.keys() if then_named.get(k) != now_named.get(k)
         )
+        whose = "baseline's engine settings" if baseline else "engine settings"
         if changed:
-            return "engine settings: " + "; ".join(
+            return f"{whose}: " + "; ".join(
                 f"{k} {then_named.get(k)} -> {now_named.get(k)}" for k in changed
             )
-        shown = "unknown" if now.engine_settings is None else now.engine_settings
-        return f"engine settings {self.engine_settings} -> {shown} (an argument not named here)"
+        then, shown = getattr(self, field), getattr(now, field) or "unknown"
+        return f"{whose} {then} -> {shown} (an argument not named here)"
 
     def with_baseline(self, baseline: Provenance) -> Provenance:
         """This, with the identity of the baseline it was compared against beside it."""
@@ -152,6 +158,8 @@ class Provenance(BaseModel):
                 "baseline_weights": baseline.weights,
                 "baseline_host_id": baseline.host_id,
                 "baseline_engine_version": baseline.engine_version,
+                "baseline_engine_settings": baseline.engine_settings,
+                "baseline_engine_settings_named": baseline.engine_settings_named,
             }
         )
 
@@ -204,6 +212,8 @@ _BOUND = (
     "baseline_engine_version",
     "engine_settings",
     "engine_settings_named",
+    "baseline_engine_settings",
+    "baseline_engine_settings_named",
 )
 # SGLang's names for the settings asked about first: speculative decoding, precision,
 # parallelism, batching, attention.

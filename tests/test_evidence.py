@@ -187,6 +187,14 @@ def test_a_result_holds_only_under_the_engine_settings_it_was_measured_with() ->
         f"engine_settings not recorded -> {drafting.engine_settings}"
     ]
     assert drafting.differs_from(plain) == ["engine settings: speculative_algorithm EAGLE -> None"]
+    # The baseline a ratio was measured against is held to its settings the same way.
+    compared = drafting.with_baseline(PROV.with_settings({"cuda_graph_max_bs": 8}))
+    ratio = result().model_copy(update={"provenance": compared})
+    assert freshness(ratio, window=hour, current=compared).fresh
+    retuned = drafting.with_baseline(PROV.with_settings({"cuda_graph_max_bs": 64}))
+    moved = freshness(ratio, window=hour, current=retuned)
+    assert not moved.fresh
+    assert "baseline's engine settings: cuda_graph_max_bs 8 -> 64" in moved.reason
     # A gate that asked no engine (a host's) owes none; an engine that cannot say its settings
     # (the OpenAI API has no such route) holds a result to none.
     host_only = PROV.model_copy(update={"engine_version": None})

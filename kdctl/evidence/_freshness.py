@@ -21,11 +21,19 @@ _IDENTITY = (
     "baseline_weights",
     "baseline_engine_version",
     "engine_settings",
+    "baseline_engine_settings",
 )
 # A result without the identity of the machine it ran on, or naming a model without a
 # fingerprint of its weights, where either can be read now, cannot say that what it measured
 # is what is there: a stripped or hand-made record would otherwise count on any box.
-_BOUND = ("weights", "host_id", "baseline_weights", "baseline_host_id", "engine_settings")
+_BOUND = (
+    "weights",
+    "host_id",
+    "baseline_weights",
+    "baseline_host_id",
+    "engine_settings",
+    "baseline_engine_settings",
+)
 _OWED = {"host_id": "an identity", "engine_settings": "the engine's settings"}
 
 
@@ -58,6 +66,8 @@ def _names(result: GateResult, field: str) -> bool:
     if field == "engine_settings":
         # Owed by a result that asked the engine what it runs; a host's gate asked no engine.
         return result.provenance.engine_version is not None
+    if field == "baseline_engine_settings":
+        return result.provenance.baseline_engine_version is not None
     return result.baseline is not None
 
 
@@ -96,8 +106,9 @@ def freshness(
             # compares with a baseline asks for its identity.
             continue
         if then != now_value:
-            if name == "engine_settings":
-                changed.append(result.provenance.settings_change(current))
+            if name.endswith("engine_settings"):
+                baseline = name.startswith("baseline_")
+                changed.append(result.provenance.settings_change(current, baseline=baseline))
                 continue
             shown_now = "unknown" if now_value in (None, []) else now_value
             changed.append(f"{name} {then} -> {shown_now}")

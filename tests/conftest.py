@@ -25,7 +25,7 @@ from kdctl.backends.reference import serve_argv
 from kdctl.errors import InfraError
 from tests.support.postgres import Cluster, pg_bin, start_cluster, stop_cluster
 from tests.support.sshd import SSHD, SshdFleet
-from tests.support.warm import WarmCli
+from tests.support.warm import WarmCli, WarmProcess
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -68,6 +68,7 @@ class Run:
 
 _WARM: WarmCli | None = None
 _WARM_LOCK = threading.Lock()
+_ENGINES: WarmCli | None = None
 
 
 def kdctl(
@@ -252,7 +253,22 @@ class Served:
     url: str
     model: Path
     api_key: str | None
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | WarmProcess
+
+
+def _start_engine(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | WarmProcess:
+    """`kdctl reference serve` as a process of its own: a fork of a server that has imported
+    torch, transformers and the reference server once (tests/support/warm.py), or a cold one
+    where its interpreter start-up would differ, or KDCTL_TEST_COLD_CLI is set."""
+    global _ENGINES
+    if not os.environ.get("KDCTL_TEST_COLD_CLI") and argv[:3] == [sys.executable, "-m", "kdctl"]:
+        with _WARM_LOCK:
+            if _ENGINES is None:
+                _ENGINES = WarmCli("engine")
+                atexit.register(_ENGINES.close)
+        if _ENGINES.suits(env):
+            return _ENGINES.start(argv[3:], env, str(Path.cwd()))
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def serve_reference(
@@ -277,7 +293,7 @@ def serve_reference(
         draft=draft,
         sglang_version=sglang_version,
     )
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start_engine(args, env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/health", proc=proc)

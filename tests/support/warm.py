@@ -8,6 +8,12 @@ directory and its own stdout and stderr files, exiting with the CLI's exit code;
 imports are shared. Commands whose interpreter start-up differs (a PYTHONPATH of their own, as
 the plugin tests use) run cold.
 
+A second server, with torch, transformers and the reference server's modules imported too,
+starts the reference servers the tests run themselves (`WarmCli("engine").start`): each is
+`kdctl reference serve` in a fork of its own, handled as subprocess.Popen handles a child, and
+saves the engine's three seconds of imports. Engines that kdctl itself starts (services,
+the sandbox, command mode) start cold, as they would anywhere.
+
 Protocol, over a Unix socket: the client sends one JSON line (argv, env, cwd) with its stdout
 and stderr file descriptors (SCM_RIGHTS); the fork writes its pid as a line and runs; the
 server, which reaps it, writes `exit N` with the code subprocess would report (minus the
@@ -56,13 +62,27 @@ _PRELOAD = (
     "kdctl.loadgen",
     "kdctl.transports.ssh",
 )
+# Torch is not imported by the CLI's own server: the core CLI does not load it, and a test may
+# hold it to that.
+_PRELOAD_ENGINE = (
+    *_PRELOAD,
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "transformers.models.llama.modeling_llama",
+    "uvicorn",
+    "starlette.applications",
+    "kdctl.backends.reference.server",
+    "kdctl.backends.reference.speculative",
+)
 
 
-def _serve(path: str) -> None:
+def _serve(path: str, preload: tuple[str, ...]) -> None:
     import importlib
     import select
 
-    for name in _PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -152,10 +172,50 @@ def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     raise SystemExit(0)
 
 
+class WarmProcess:
+    """A command forked by the warm server, handled as subprocess.Popen handles a child: the
+    server reaps it and reports its exit code, which a thread here waits for."""
+
+    def __init__(self, args: list[str], conn: socket.socket, pid: int) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._reap, args=(conn,), daemon=True).start()
+
+    def _reap(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("r") as reader:
+            last = reader.readline().split()
+        # A server gone before its command: the code is not known, and -1 says so.
+        self.returncode = int(last[1]) if len(last) == 2 and last[0] == "exit" else -1
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # else the pid may be another process's by now
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class WarmCli:
     """One server per test process, started on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: str = "cli") -> None:
+        self._preload = preload
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="kdctl-warm-")
         self._path = os.path.join(self._dir, "sock")
@@ -170,7 +230,7 @@ class WarmCli:
                 os.unlink(stale)
         repo = Path(__file__).resolve().parents[2]
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.warm", self._path], cwd=repo
+            [sys.executable, "-m", "tests.support.warm", self._path, self._preload], cwd=repo
         )
         deadline = time.monotonic() + 60
         while not os.path.exists(self._path):
@@ -211,6 +271,28 @@ class WarmCli:
             stderr.seek(0)
             return int(last[1]), _text(stdout.read()), _text(stderr.read())
 
+    def start(self, args: list[str], env: dict[str, str], cwd: str) -> WarmProcess:
+        """`python -m kdctl ARGS` in a fork, not waited for; its output discarded."""
+        conn = self._connect()
+        try:
+            with open(os.devnull, "wb") as null:
+                request = json.dumps({"argv": args, "env": env, "cwd": cwd}).encode()
+                socket.send_fds(conn, [request], [null.fileno(), null.fileno()])
+            conn.settimeout(60)
+            first = b""
+            while not first.endswith(b"\n"):
+                chunk = conn.recv(1)
+                if not chunk:
+                    raise RuntimeError("the warm kdctl server closed before forking")
+                first += chunk
+            if first.startswith(b"error "):
+                raise RuntimeError(f"the warm kdctl server refused: {first[6:].decode().strip()}")
+            conn.settimeout(None)
+            return WarmProcess(["kdctl", *args], conn, int(first))
+        except BaseException:
+            conn.close()
+            raise
+
     def _connect(self) -> socket.socket:
         """A connection to the server, (re)started where it is not running."""
         for attempt in (1, 2):
@@ -243,4 +325,4 @@ def _text(data: bytes) -> str:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], _PRELOAD_ENGINE if sys.argv[2:] == ["engine"] else _PRELOAD)

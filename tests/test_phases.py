@@ -58,7 +58,7 @@ ROADMAP = {
             "title": "Throughput",
             "depends_on": ["serving"],
             "criteria": [
-                {"gate": "throughput", "require": {"*.ratio": ">= 0.2", "*.failed": "== 0"}}
+                {"gate": "throughput", "require": {"*.ratio": ">= 0.05", "*.failed": "== 0"}}
             ],
         },
         {
@@ -106,7 +106,8 @@ def setup(tmp_path: Path, reference_server: Served, twin_server: Served, keyed_s
                             "concurrency": [2],
                             "num_prompts": 4,
                         },
-                        "min_ratio": 0.2,
+                        # Twins of one model: only the machine's load parts them.
+                        "min_ratio": 0.05,
                     },
                     **gates,
                 },

@@ -54,6 +54,16 @@ def need_module(module: str, extra: str) -> None:
     pytest.skip(f"{module} (the {extra} extra) is not installed")
 
 
+def need_engine(python: Path, bootstrap: str) -> None:
+    """An engine in a venv of its own (vLLM's, SGLang's CPU builds): missing under CI fails
+    the run, elsewhere its tests skip, naming the script that installs it."""
+    if python.exists():
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{python} is not installed; {bootstrap} installs it")
+    pytest.skip(f"{python} is not installed ({bootstrap} installs it)")
+
+
 def need_sglang_router() -> None:
     """SGLang's router is a real part the tests run."""
     need_module("sglang_router", "router")

@@ -40,6 +40,21 @@ ROADMAP = {
 }
 
 
+def _inventory(tmp: Path, baseline_url: str, candidate_url: str) -> Path:
+    """The binding roadmap over a baseline and a candidate, exactness of eight tokens."""
+    (tmp / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    return write_inventory(
+        tmp / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": engine_pair(baseline_url, candidate_url),
+            "gates": {"exactness": {"max_new_tokens": 8, "top_k": 3}},
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+
+
 def _answers(inv: Path, tmp: Path) -> dict[str, Any]:
     status = kdctl("status", "-i", str(inv), "--json", "--timeout", "5")
     phases = kdctl("phases", "-i", str(inv), "--json")
@@ -61,17 +76,7 @@ def test_weights_replaced_under_the_same_path_make_old_evidence_stale(
     path = tmp_path / "weights" / "candidate"
     shutil.copytree(models["dsv3"], path)
     candidate = serve_reference(path)
-    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
-    inv = write_inventory(
-        tmp_path / "inv.yaml",
-        {
-            "hosts": {"local": {"transport": "local"}},
-            "backends": engine_pair(reference_server.url, candidate.url),
-            "gates": {"exactness": {"max_new_tokens": 8, "top_k": 3}},
-            "roadmap": "roadmap.yaml",
-            "state_dir": "state",
-        },
-    )
+    inv = _inventory(tmp_path, reference_server.url, candidate.url)
     try:
         ran = kdctl("phases", "--run", "-i", str(inv), "--json")
         assert ran.code == 0, ran.out + ran.err
@@ -162,17 +167,7 @@ def test_an_engine_restarted_under_other_settings_makes_old_evidence_stale(
     """Evidence taken while the candidate decoded speculatively, then the same engine on the
     same weights restarted without its draft: what its server arguments say now decides."""
     candidate = serve_reference(models["dsv3"], draft=models["dsv3-draft"])
-    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
-    inv = write_inventory(
-        tmp_path / "inv.yaml",
-        {
-            "hosts": {"local": {"transport": "local"}},
-            "backends": engine_pair(reference_server.url, candidate.url),
-            "gates": {"exactness": {"max_new_tokens": 8, "top_k": 3}},
-            "roadmap": "roadmap.yaml",
-            "state_dir": "state",
-        },
-    )
+    inv = _inventory(tmp_path, reference_server.url, candidate.url)
     try:
         ran = kdctl("phases", "--run", "-i", str(inv), "--json")
         assert ran.code == 0, ran.out + ran.err

@@ -23,7 +23,7 @@ from kdctl.backends import GenerateRequest, HttpBackend, make_backend, wait_http
 from kdctl.backends.errors import BackendError
 from kdctl.inventory import BackendSpec
 from kdctl.loadgen import LoadPlan, run_load
-from tests.conftest import REPO, Served, kdctl, serve_reference, write_inventory
+from tests.conftest import REPO, Served, kdctl, need_engine, serve_reference, write_inventory
 from tests.support.sshd import free_port
 
 SGLANG_PYTHON = Path(
@@ -37,10 +37,7 @@ VERSION = "0.5.23"
 
 @pytest.fixture(scope="module")
 def sglang(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not SGLANG_PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"SGLang is not installed at {SGLANG_PYTHON}; scripts/bootstrap-sglang")
-        pytest.skip(f"SGLang is not installed at {SGLANG_PYTHON} (scripts/bootstrap-sglang)")
+    need_engine(SGLANG_PYTHON, "scripts/bootstrap-sglang")
     port = free_port()
     log = tmp_path_factory.mktemp("sglang") / "sglang.log"
     env = {

@@ -14,7 +14,7 @@ import pytest
 from kdctl.backends import GenerateRequest, make_backend, vllm_argv, wait_http
 from kdctl.errors import InfraError
 from kdctl.inventory import BackendSpec
-from tests.conftest import kdctl, write_inventory
+from tests.conftest import kdctl, need_engine, write_inventory
 from tests.support.sshd import free_port
 
 VLLM_PYTHON = Path(
@@ -43,10 +43,7 @@ def vllm_ngram(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def _serve_vllm(
     llama: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str
 ) -> Iterator[str]:
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM is not installed at {VLLM_PYTHON}; scripts/bootstrap installs it")
-        pytest.skip(f"vLLM is not installed at {VLLM_PYTHON} (scripts/bootstrap installs it)")
+    need_engine(VLLM_PYTHON, "scripts/bootstrap-vllm")
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}

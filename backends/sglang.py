@@ -270,7 +270,15 @@ _NOT_SETTINGS = frozenset(
         "uvicorn_access_log_exclude_prefixes",
     }
 )
-_NOT_SETTINGS_PREFIXES = ("log_", "ssl_", "otlp_", "bucket_", "export_metrics", "tokenizer_metrics")
+_NOT_SETTINGS_PREFIXES = (
+    "log_",
+    "ssl_",
+    "otlp_",
+    "oltp_",  # 0.5.2's spelling
+    "bucket_",
+    "export_metrics",
+    "tokenizer_metrics",
+)
 
 
 def _accept_length(server: dict[str, Any]) -> float | None:

@@ -144,6 +144,9 @@ class Provenance(BaseModel):
             k for k in then_named.keys() | now_named.keys() if then_named.get(k) != now_named.get(k)
         )
         whose = "baseline's engine settings" if baseline else "engine settings"
+        if getattr(now, field) is None:
+            # Not said now: nothing is known to have changed to None.
+            return f"{whose} {getattr(self, field)} -> unknown"
         if changed:
             return f"{whose}: " + "; ".join(
                 f"{k} {then_named.get(k)} -> {now_named.get(k)}" for k in changed
@@ -235,6 +238,8 @@ NAMED_SETTINGS = (
     "chunked_prefill_size",
     "max_running_requests",
     "cuda_graph_max_bs",
+    "cuda_graph_max_bs_decode",
+    "cuda_graph_max_bs_prefill",
     "disable_cuda_graph",
     "enable_torch_compile",
     "context_length",

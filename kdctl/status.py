@@ -145,8 +145,8 @@ def _identify(
     status.served_name = info.served_name
     status.version = info.version
     status.context_length = info.context_length
-    if info.settings is not None:
-        status.speculative = str(info.settings.get("speculative_algorithm") or "none")
+    if info.settings is not None and "speculative_algorithm" in info.settings:
+        status.speculative = str(info.settings["speculative_algorithm"] or "none")
     status.spec_accept_length = info.spec_accept_length
     notes = []
     if info.tp_size is not None:

@@ -55,9 +55,10 @@ def need_module(module: str, extra: str) -> None:
 
 
 def need_engine(python: Path, bootstrap: str) -> None:
-    """An engine in a venv of its own (vLLM's, SGLang's CPU builds): missing under CI fails
-    the run, elsewhere its tests skip, naming the script that installs it."""
-    if python.exists():
+    """An engine in a venv of its own (vLLM's, SGLang's CPU builds), complete as its bootstrap
+    script marks it: missing under CI fails the run, elsewhere its tests skip, naming the
+    script that installs it."""
+    if python.exists() and (python.parents[1] / ".complete").exists():
         return
     if os.environ.get("CI"):
         pytest.fail(f"{python} is not installed; {bootstrap} installs it")

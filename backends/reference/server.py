@@ -97,9 +97,11 @@ class _State:
             registry=self.registry,
             buckets=E2E_BUCKETS,
         ).labels(served_name)
-        # Tokens and verification steps of every request decoded speculatively since start.
+        # Tokens made by verification steps, and those steps, over every request decoded
+        # speculatively since start: SGLang's count leaves out each request's prefill token.
         self.spec_tokens = 0
         self.spec_steps = 0
+        self.spec_lock = threading.Lock()
 
     def accept_state(self) -> dict[str, float]:
         """SGLang's internal state for speculation: its lifetime tokens per verification step,
@@ -191,8 +193,9 @@ def create_app(
             state.running.dec()
             if last is not None:
                 if last.spec_verify_ct:
-                    state.spec_tokens += last.completion_tokens
-                    state.spec_steps += last.spec_verify_ct
+                    with state.spec_lock:
+                        state.spec_tokens += last.completion_tokens - 1
+                        state.spec_steps += last.spec_verify_ct
                 state.requests.inc()
                 state.prompt_tokens.inc(last.prompt_tokens)
                 state.generation_tokens.inc(last.completion_tokens)

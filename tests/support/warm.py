@@ -174,20 +174,30 @@ def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
 
 class WarmProcess:
     """A command forked by the warm server, handled as subprocess.Popen handles a child: the
-    server reaps it and reports its exit code, which a thread here waits for."""
+    server reaps it and reports its exit code, which a thread here waits for. Signals go
+    through a pidfd taken at once, so they reach this process or none, never a later one
+    given the same pid."""
 
     def __init__(self, args: list[str], conn: socket.socket, pid: int) -> None:
         self.args = args
         self.pid = pid
         self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
         self._done = threading.Event()
         threading.Thread(target=self._reap, args=(conn,), daemon=True).start()
 
     def _reap(self, conn: socket.socket) -> None:
+        import select
+
         with conn, conn.makefile("r") as reader:
             last = reader.readline().split()
-        # A server gone before its command: the code is not known, and -1 says so.
-        self.returncode = int(last[1]) if len(last) == 2 and last[0] == "exit" else -1
+        if len(last) == 2 and last[0] == "exit":
+            self.returncode = int(last[1])
+        else:
+            # The server is gone and cannot report it: wait for the process itself to end
+            # (its pidfd turns readable); its code is not known, and -1 says so.
+            select.select([self._pidfd], [], [])
+            self.returncode = -1
         self._done.set()
 
     def poll(self) -> int | None:
@@ -200,9 +210,8 @@ class WarmProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # else the pid may be another process's by now
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(self._pidfd, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -152,6 +152,8 @@ def create_app(
 
     state = _State(model_dir, served_name or str(model_dir), device, dtype, draft, draft_tokens)
     shape = SHAPES[sglang_version]
+    # How this server runs, fixed at its start: /server_info says it on every call.
+    settings = reference_settings(model_dir, draft, draft_tokens, device=device, dtype=dtype)
 
     def _load() -> None:
         time.sleep(load_delay_s)
@@ -242,7 +244,7 @@ def create_app(
             {
                 "model_path": str(model_dir),
                 "served_model_name": state.served_name,
-                **reference_settings(model_dir, draft, draft_tokens, device=device, dtype=dtype),
+                **settings,
                 # Null, as SGLang's is unless --context-length was given (every captured
                 # server's): the window is on /v1/models.
                 "context_length": None,

@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 # Variables read when an interpreter starts, not when a command runs: a command that sets one
 # differently from the server's must start cold to see it.
@@ -178,21 +178,21 @@ class WarmProcess:
     through a pidfd taken at once, so they reach this process or none, never a later one
     given the same pid."""
 
-    def __init__(self, args: list[str], conn: socket.socket, pid: int) -> None:
+    def __init__(self, args: list[str], conn: socket.socket, reader: TextIO, pid: int) -> None:
         self.args = args
         self.pid = pid
         self.returncode: int | None = None
         self._pidfd = os.pidfd_open(pid)
         self._done = threading.Event()
-        threading.Thread(target=self._reap, args=(conn,), daemon=True).start()
+        threading.Thread(target=self._reap, args=(conn, reader), daemon=True).start()
 
-    def _reap(self, conn: socket.socket) -> None:
+    def _reap(self, conn: socket.socket, reader: TextIO) -> None:
         import select
 
-        with conn, conn.makefile("r") as reader:
-            last = reader.readline().split()
-        if len(last) == 2 and last[0] == "exit":
-            self.returncode = int(last[1])
+        with conn, reader:
+            code = _exit_code(reader.readline())
+        if code is not None:
+            self.returncode = code
         else:
             # The server is gone and cannot report it: wait for the process itself to end
             # (its pidfd turns readable); its code is not known, and -1 says so.
@@ -258,46 +258,31 @@ class WarmCli:
             tempfile.TemporaryFile() as stderr,
             self._connect() as conn,
         ):
-            request = json.dumps({"argv": args, "env": env, "cwd": cwd}).encode()
-            socket.send_fds(conn, [request], [stdout.fileno(), stderr.fileno()])
             conn.settimeout(timeout)
-            reader = conn.makefile("r")
             pid = None
             try:
-                first = reader.readline()
-                if first.startswith("error "):
-                    raise RuntimeError(f"the warm kdctl server refused: {first[6:].strip()}")
-                pid = int(first)
-                last = reader.readline().split()
+                reader, pid = _fork(conn, args, env, cwd, (stdout.fileno(), stderr.fileno()))
+                code = _exit_code(reader.readline())
             except TimeoutError as exc:
                 if pid is not None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(["kdctl", *args], timeout) from exc
-            if len(last) != 2 or last[0] != "exit":
+            if code is None:
                 raise RuntimeError(f"the warm kdctl server ended before command {pid} did")
             stdout.seek(0)
             stderr.seek(0)
-            return int(last[1]), _text(stdout.read()), _text(stderr.read())
+            return code, _text(stdout.read()), _text(stderr.read())
 
     def start(self, args: list[str], env: dict[str, str], cwd: str) -> WarmProcess:
         """`python -m kdctl ARGS` in a fork, not waited for; its output discarded."""
         conn = self._connect()
         try:
-            with open(os.devnull, "wb") as null:
-                request = json.dumps({"argv": args, "env": env, "cwd": cwd}).encode()
-                socket.send_fds(conn, [request], [null.fileno(), null.fileno()])
             conn.settimeout(60)
-            first = b""
-            while not first.endswith(b"\n"):
-                chunk = conn.recv(1)
-                if not chunk:
-                    raise RuntimeError("the warm kdctl server closed before forking")
-                first += chunk
-            if first.startswith(b"error "):
-                raise RuntimeError(f"the warm kdctl server refused: {first[6:].decode().strip()}")
+            with open(os.devnull, "wb") as null:
+                reader, pid = _fork(conn, args, env, cwd, (null.fileno(), null.fileno()))
             conn.settimeout(None)
-            return WarmProcess(["kdctl", *args], conn, int(first))
+            return WarmProcess(["kdctl", *args], conn, reader, pid)
         except BaseException:
             conn.close()
             raise
@@ -326,6 +311,28 @@ class WarmCli:
         with contextlib.suppress(OSError):
             os.unlink(self._path)
             os.rmdir(self._dir)
+
+
+def _fork(
+    conn: socket.socket, args: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int]
+) -> tuple[TextIO, int]:
+    """Ask the server for a fork running `args` with these stdout and stderr; its pid, and
+    the reader its exit line will come on."""
+    request = json.dumps({"argv": args, "env": env, "cwd": cwd}).encode()
+    socket.send_fds(conn, [request], list(fds))
+    reader = conn.makefile("r")
+    first = reader.readline()
+    if first.startswith("error "):
+        raise RuntimeError(f"the warm kdctl server refused: {first[6:].strip()}")
+    if not first:
+        raise RuntimeError("the warm kdctl server closed before forking")
+    return reader, int(first)
+
+
+def _exit_code(line: str) -> int | None:
+    """The code in the server's `exit N` line; None where it ended without one."""
+    words = line.split()
+    return int(words[1]) if len(words) == 2 and words[0] == "exit" else None
 
 
 def _text(data: bytes) -> str:

@@ -12,6 +12,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
+from kdctl._httpclient import http_client
 from kdctl._limits import load_json
 from kdctl.backends.errors import (
     BackendAuthError,
@@ -44,7 +45,7 @@ class HttpSession:
         self.timeout = timeout
         self._key = api_key
         self._headers = bearer(api_key)
-        self._client = client or httpx.Client(timeout=timeout)
+        self._client = client or http_client(timeout=timeout)
         self._owns_client = client is None
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from kdctl._httpclient import http_client
 from kdctl.backends import Backend, HttpBackend
 from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.backends.health import bearer
@@ -213,7 +214,7 @@ def observe(be: Backend) -> dict[str, Any]:
     if not isinstance(be, HttpBackend):
         raise InputError(f"backend {be.name}: api-conformance needs a served HTTP API")
     model = _served_model(be)
-    with httpx.Client(timeout=be.http.timeout) as client:
+    with http_client(timeout=be.http.timeout) as client:
         return {p.name: answer(client, be, p, model) for p in PROBES}
 
 

@@ -16,6 +16,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, SecretStr
 
+from kdctl._httpclient import http_client
 from kdctl.backends import GenerateRequest, HealthResult, make_backend, probe_health
 from kdctl.backends.errors import (
     BackendAuthError,
@@ -114,7 +115,7 @@ def probe_serving(
     just measured (`kdctl status` probes every backend anyway), so nothing is asked twice."""
     known = dict(health or {})
     spec = inv.spec.router
-    with using(inv, session) as s, httpx.Client() as client:
+    with using(inv, session) as s, http_client() as client:
 
         def engine(name: str, weight: int = 0) -> EngineAnswer:
             url = inv.backends[name].url
@@ -251,7 +252,7 @@ def _ask_front(
     key = front_api_key(inv, weighted)
     started = time.monotonic()
     route = "/generate"
-    with httpx.Client(event_hooks={"response": [keep]}) as hooked:
+    with http_client(event_hooks={"response": [keep]}) as hooked:
         try:
             if speaker is None:
                 raise BackendHTTPError("front", url, 404, "no backend to speak for")

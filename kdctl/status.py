@@ -8,6 +8,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, PrivateAttr, SecretStr
 
+from kdctl._httpclient import http_client
 from kdctl.backends import HEALTH_TIMEOUT_S, EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
 from kdctl.checks import provenance_for
@@ -203,7 +204,7 @@ def _collect(
     partial: dict[str, HostStatus] = {}
     identities: dict[str, Identity] = {}
     healths: dict[str, HealthResult] = {}
-    with httpx.Client() as client:
+    with http_client() as client:
         binder = s.binder
 
         def host_probe(name: str) -> _HostFacts:

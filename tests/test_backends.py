@@ -25,7 +25,7 @@ from kdctl.backends.errors import (
 from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec
 from tests.conftest import FIXTURES, Served, kdctl, need_module, write_inventory
-from tests.support.faulty import Bursty, Endless, recorded, replay, serve
+from tests.support.faulty import Bursty, Endless, closing, recorded, replay, serve
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
@@ -582,3 +582,49 @@ def test_the_openai_kind_on_text_keyed_logprobs_says_so() -> None:
         assert "use the sglang kind" in str(got.value)
     finally:
         server.shutdown()
+
+
+def test_a_request_dropped_unanswered_is_sent_once_more_and_twice_is_reported() -> None:
+    """SGLang and vLLM close a connection idle for 5 s, and httpx keeps one as long: a request
+    sent on it as the server closes it is dropped unanswered (a probe polling every few seconds
+    meets it). kdctl sends it once more on a new connection; dropped again, it is the engine's
+    failure, reported typed, after exactly two tries."""
+    import httpx
+
+    body = json.loads((FIXTURES / "sglang" / "generate" / "0.5.23.json").read_text())["answer"]
+    req = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=4)
+    kept = closing(recorded(body), answered=1)
+    server = serve(kept)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        # What a plain client meets: the second request on the kept connection fails.
+        with httpx.Client() as plain:
+            assert plain.post(url + "/generate", json={}).status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+                plain.post(url + "/generate", json={})
+        before = kept.dropped
+        with make_backend("sglang", spec("sglang", url)) as be:
+            answers = [be.generate(req) for _ in range(3)]
+        assert [a.output_ids for a in answers] == [body["output_ids"]] * 3
+        assert (
+            kept.dropped - before == 2
+        )  # the second and third each met a close, and were sent again
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    never = closing(recorded(body), answered=0)
+    server = serve(never)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with (
+            make_backend("sglang", spec("sglang", url)) as be,
+            pytest.raises(BackendProtocolError) as got,
+        ):
+            be.generate(req)
+        assert f"backend sglang ({url}/generate)" in str(got.value)
+        assert "without sending a response" in str(got.value)
+        assert never.dropped == 2
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -251,11 +251,11 @@ def test_gates_recorded_while_a_cutover_runs_and_a_second_cutover_is_refused(
     there exactly once, and a second cutover meanwhile is refused naming the holder."""
     inv = str(front["inv"])
     per_writer = 4
-    codes: list[int] = []
+    runs: list[Any] = []
 
     def record() -> None:
         for _ in range(per_writer):
-            codes.append(kdctl("gate", "run", "health", "-b", "baseline", "-i", inv).code)
+            runs.append(kdctl("gate", "run", "health", "-b", "baseline", "-i", inv))
 
     writers = [threading.Thread(target=record) for _ in range(2)]
     canary = subprocess.Popen(
@@ -295,7 +295,7 @@ def test_gates_recorded_while_a_cutover_runs_and_a_second_cutover_is_refused(
     assert canary.returncode == 0, out + err
     assert second.code == 1 and "holds the traffic lock" in second.err, second.err
     assert f"pid {canary.pid}" in second.err, second.err
-    assert codes == [0] * (2 * per_writer)
+    assert [r.code for r in runs] == [0] * (2 * per_writer), [r.err for r in runs if r.code]
     listed = kdctl("evidence", "list", "--gate", "health", "--limit", "100", "--json", "-i", inv)
     ids = [r["id"] for r in json.loads(listed.out)["results"]]
     assert len(ids) == len(set(ids)) == 2 * per_writer

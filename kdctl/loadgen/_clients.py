@@ -90,12 +90,11 @@ class HttpxClient(StreamClient):
     def __init__(self, headers: dict[str, str], *, connections: int, timeout: float) -> None:
         import httpx
 
+        from kdctl._httpclient import async_http_client
+
         super().__init__(headers, connections=connections, timeout=timeout)
         self._httpx = httpx
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-        )
+        self._client = async_http_client(connections=connections, timeout=httpx.Timeout(timeout))
 
     async def lines(self, url: str, body: dict[str, Any]) -> AsyncGenerator[list[str], None]:
         splitter = LineSplitter()

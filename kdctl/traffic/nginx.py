@@ -16,6 +16,7 @@ from typing import ClassVar
 import httpx
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from kdctl._httpclient import http_client
 from kdctl.errors import InputError, KdctlError
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
 
@@ -217,7 +218,7 @@ class NginxRouter(Router):
         current = self.read()
         self._write(self.render(current.weights, draining=True))
         deadline = time.monotonic() + deadline_s
-        with httpx.Client() as client:
+        with http_client() as client:
             while not all(self._draining(client) for _ in range(3)):
                 if time.monotonic() > deadline:
                     raise RouterError(f"nginx front {self.front_url} does not answer as drained")
@@ -239,7 +240,7 @@ class NginxRouter(Router):
         # One backend: every answer must come from it, a few in a row.
         tries = 3 if len(serving) == 1 else 1
         deadline = time.monotonic() + deadline_s
-        with httpx.Client() as client:
+        with http_client() as client:
             while True:
                 got = [self.probe(client) for _ in range(tries)]
                 if all(g in serving for g in got):

@@ -21,9 +21,9 @@ from datetime import datetime
 from functools import partial
 from typing import Any, Literal
 
-import httpx
 from pydantic import BaseModel
 
+from kdctl._httpclient import http_client
 from kdctl.backends import GenerateRequest, make_backend
 from kdctl.backends.health import probe_health
 from kdctl.backends.sglang import SGLangBackend
@@ -324,7 +324,7 @@ class Runner:
                 failed += m.failed
                 worst_ttft = _worst(worst_ttft, getattr(m.ttft_ms, pct))
                 worst_itl = _worst(worst_itl, getattr(m.itl_ms, pct))
-                with httpx.Client() as client:
+                with http_client() as client:
                     health = probe_health(
                         client,
                         self.inv.backends[plan.to_backend].url or "",

@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 import httpx
 
+from kdctl._httpclient import http_client
 from kdctl.backends import bearer
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
 
@@ -52,7 +53,7 @@ class SGLangRouter(Router):
 
     def _client(self) -> httpx.Client:
         # The router's own key, where it requires one, on its worker API as on its front.
-        return httpx.Client(
+        return http_client(
             base_url=self.front_url,
             timeout=self.call_timeout_s,
             headers=bearer(self.inv.router_api_key()),

@@ -170,6 +170,31 @@ def replay(answers: dict[tuple[str, str], tuple[int, bytes, str]]) -> type[Quiet
     return Replay
 
 
+def closing(handler: type[Quiet], *, answered: int) -> type[Quiet]:
+    """`handler` over HTTP/1.1 keep-alive, closing each connection unanswered once it has
+    answered `answered` requests on it: what uvicorn (SGLang, vLLM) does to a request sent on a
+    connection just as it closes it for having been idle its 5 s, made certain. `dropped`
+    counts the requests closed unanswered."""
+
+    class Closing(handler):  # type: ignore[misc,valid-type]
+        protocol_version = "HTTP/1.1"
+        dropped = 0
+
+        def handle(self) -> None:
+            for _ in range(answered):
+                self.handle_one_request()
+                if self.close_connection:
+                    return
+            if self.rfile.readline():  # a request came: its line is read, nothing answered
+                with _COUNT:
+                    type(self).dropped += 1
+
+    return Closing
+
+
+_COUNT = threading.Lock()
+
+
 def serve(handler: type[Quiet]) -> socketserver.ThreadingTCPServer:
     """Started on a free loopback port; `server_address[1]` is the port, `shutdown()` ends it."""
     server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)

@@ -267,19 +267,41 @@ class Served:
     proc: subprocess.Popen[bytes] | WarmProcess
 
 
+def _warm_engines() -> WarmCli | None:
+    """The worker's warm engine server (tests/support/warm.py); None with KDCTL_TEST_COLD_CLI."""
+    global _ENGINES
+    if os.environ.get("KDCTL_TEST_COLD_CLI"):
+        return None
+    with _WARM_LOCK:
+        if _ENGINES is None:
+            _ENGINES = WarmCli("engine")
+            atexit.register(_ENGINES.close)
+    return _ENGINES
+
+
 def _start_engine(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | WarmProcess:
     """`kdctl reference serve` as a process of its own: a fork of a server that has imported
     torch, transformers and the reference server once (tests/support/warm.py), or a cold one
     where its interpreter start-up would differ, or KDCTL_TEST_COLD_CLI is set."""
-    global _ENGINES
-    if not os.environ.get("KDCTL_TEST_COLD_CLI") and argv[:3] == [sys.executable, "-m", "kdctl"]:
-        with _WARM_LOCK:
-            if _ENGINES is None:
-                _ENGINES = WarmCli("engine")
-                atexit.register(_ENGINES.close)
-        if _ENGINES.suits(env):
-            return _ENGINES.start(argv[3:], env, str(Path.cwd()))
+    engines = _warm_engines() if argv[:3] == [sys.executable, "-m", "kdctl"] else None
+    if engines is not None and engines.suits(env):
+        return engines.start(argv[3:], env, str(Path.cwd()))
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def warm_argv(argv: list[str]) -> list[str]:
+    """A `python -m kdctl ...` command line that kdctl itself will run (an engine's service, a
+    command-mode engine), as tests/support/warm_exec.py, which runs it in a fork of the warm
+    engine server and stands for it: the same process to start, signal and wait for."""
+    engines = _warm_engines()
+    if engines is None or argv[:3] != [sys.executable, "-m", "kdctl"]:
+        return argv
+    return [
+        sys.executable,
+        str(Path(__file__).parent / "support" / "warm_exec.py"),
+        engines.socket_path(),
+        *argv[3:],
+    ]
 
 
 def serve_reference(

@@ -11,7 +11,7 @@ import pytest
 
 from kdctl.checks.exactness import compare_prompt
 from kdctl.evidence import SqliteStore
-from tests.conftest import Served, kdctl, native_http, need_module, write_inventory
+from tests.conftest import Served, kdctl, native_http, need_module, warm_argv, write_inventory
 
 need_module("torch", "reference")
 KEY = "sk-test-7f1e"
@@ -210,8 +210,8 @@ def test_health_of_an_engine_that_does_not_name_its_model_is_inconclusive(
     engine = tmp_path / "unnamed-engine.py"
     engine.write_text(
         "import json, subprocess, sys\n"
-        f"cmd = [sys.executable, '-m', 'kdctl', 'reference', 'batch', '--model', "
-        f"{str(models['dsv3'])!r}, *sys.argv[1:]]\n"
+        f"cmd = [*{warm_argv([sys.executable, '-m', 'kdctl', 'reference', 'batch'])!r}, "
+        f"'--model', {str(models['dsv3'])!r}, *sys.argv[1:]]\n"
         "code = subprocess.call(cmd)\n"
         "response = sys.argv[sys.argv.index('--response') + 1]\n"
         "with open(response) as f:\n"

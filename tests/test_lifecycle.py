@@ -17,7 +17,7 @@ from kdctl.errors import InputError
 from kdctl.inventory import BackendSpec, HostSpec
 from kdctl.transports import CommandResult, LocalTransport, Transport
 from kdctl.transports.ssh import SSHTransport
-from tests.conftest import need_module
+from tests.conftest import need_module, warm_argv
 from tests.support.sshd import SshdFleet, free_port
 
 need_module("torch", "reference")
@@ -63,7 +63,7 @@ def engine_spec(root: Path, port: int, *, model: Path | None = None) -> BackendS
             "host": "h",
             "url": f"http://127.0.0.1:{port}",
             "service": {
-                "command": serve_argv(model or root / "model", port),
+                "command": warm_argv(serve_argv(model or root / "model", port)),
                 "pidfile": str(root / "engine.pid"),
                 "log": str(root / "engine.log"),
                 "workdir": str(root),

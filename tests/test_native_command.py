@@ -12,12 +12,13 @@ from kdctl.backends import GenerateRequest, make_backend
 from kdctl.backends.errors import BackendError, BackendHTTPError, BackendProtocolError
 from kdctl.inventory import BackendSpec
 from kdctl.transports import LocalTransport
-from tests.conftest import kdctl, need_module
+from tests.conftest import kdctl, need_module, warm_argv
 
 need_module("torch", "reference")
 
 
 def native(command: list[str], tmp_path: Path) -> object:
+    command = warm_argv(command)
     spec = BackendSpec.model_validate(
         {
             "kind": "native",

@@ -21,6 +21,7 @@ from tests.conftest import (
     native_http,
     need_module,
     ssh_home,
+    warm_argv,
     write_inventory,
 )
 from tests.support.chromium import CHROMIUM, colours, screenshot
@@ -354,7 +355,9 @@ def _ct200_on_loopback(
         ("native-small-tp8", models["dsv3"]),
     ):
         be[name].update(
-            command=[sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(model)],
+            command=warm_argv(
+                [sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(model)]
+            ),
             model=str(model),
         )
     data["roadmap"] = "kimi-k26-native.yaml"

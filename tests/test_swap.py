@@ -17,7 +17,7 @@ import httpx
 import yaml
 
 from kdctl.backends.reference import serve_argv
-from tests.conftest import kdctl, need_module, write_inventory
+from tests.conftest import kdctl, need_module, warm_argv, write_inventory
 from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 from tests.test_traffic import ROADMAP, promotion
@@ -46,7 +46,7 @@ class Swap:
 
 def _service(root: Path, name: str, model: Path, port: int) -> dict[str, Any]:
     return {
-        "command": serve_argv(model, port),
+        "command": warm_argv(serve_argv(model, port)),
         "pidfile": str(root / f"{name}.pid"),
         "log": str(root / f"{name}.log"),
     }

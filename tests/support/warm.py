@@ -11,8 +11,11 @@ the plugin tests use) run cold.
 A second server, with torch, transformers and the reference server's modules imported too,
 starts the reference servers the tests run themselves (`WarmCli("engine").start`): each is
 `kdctl reference serve` in a fork of its own, handled as subprocess.Popen handles a child, and
-saves the engine's three seconds of imports. Engines that kdctl itself starts (services,
-the sandbox, command mode) start cold, as they would anywhere.
+saves the engine's three seconds of imports. The engines kdctl itself starts in the tests
+(a service's command, a command-mode engine) are `python tests/support/warm_exec.py SOCKET
+ARGS`: a stand-in that has the same server fork `kdctl ARGS` and stands for it (stdin and
+output passed on, signals forwarded, its exit code; killed, the fork is killed too). The
+sandbox's engines start cold, as they would anywhere.
 
 Protocol, over a Unix socket: the client sends one JSON line (argv, env, cwd) with its stdout
 and stderr file descriptors (SCM_RIGHTS); the fork writes its pid as a line and runs; the
@@ -98,6 +101,7 @@ def _serve(path: str, preload: tuple[str, ...]) -> None:
     listener.listen(16)
     os.rename(path + ".new", path)
     children: dict[int, socket.socket] = {}
+    own = {k: os.environ.get(k) for k in _STARTUP}
     while os.getppid() == parent:  # else the test worker is gone
         ready, _, _ = select.select([listener, wake_r], [], [], 1.0)
         if wake_r in ready:
@@ -116,10 +120,13 @@ def _serve(path: str, preload: tuple[str, ...]) -> None:
         conn, _ = listener.accept()
         try:
             conn.settimeout(5)
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
             request = json.loads(msg)
-            if len(fds) != 2:
+            if len(fds) not in (2, 3):
                 raise ValueError(f"{len(fds)} file descriptors")
+            if any(request["env"].get(k) != own.get(k) for k in _STARTUP):
+                raise ValueError("another interpreter set-up: run it cold")
+            int(request.get("tied", 0))
         except (OSError, ValueError) as exc:
             with contextlib.suppress(OSError):
                 conn.sendall(f"error {exc}\n".encode())
@@ -144,16 +151,21 @@ def _serve(path: str, preload: tuple[str, ...]) -> None:
 def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     """The command, in the fork: its pid to the client, then the CLI as `python -m kdctl`
     runs it. It ends the way an interpreter does (threads joined, atexit run, streams
-    flushed), and the server reports its wait status."""
+    flushed), and the server reports its wait status. Given three descriptors they are its
+    stdin, stdout and stderr, else stdin is empty; `tied` names a process (warm_exec.py's)
+    whose end kills it."""
     conn.sendall(f"{os.getpid()}\n".encode())
     conn.close()
     os.setpgid(0, 0)  # the client may kill it without reaching the server
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(fds[0], 1)
-    os.dup2(fds[1], 2)
-    for fd in (null, *fds):
-        os.close(fd)
+    if len(fds) == 2:
+        fds = [os.open(os.devnull, os.O_RDONLY), *fds]
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    if request.get("tied"):
+        _tie(int(request["tied"]))
     try:
         os.chdir(request["cwd"])
     except OSError as exc:
@@ -170,6 +182,23 @@ def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
 
     main()
     raise SystemExit(0)
+
+
+def _tie(pid: int) -> None:
+    """Killed as soon as `pid` ends, however it ends (SIGKILL included)."""
+    import select
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 class WarmProcess:
@@ -286,6 +315,12 @@ class WarmCli:
         except BaseException:
             conn.close()
             raise
+
+    def socket_path(self) -> str:
+        """The server's socket path, the server started if it is not running."""
+        with self._lock:
+            self._start()
+        return self._path
 
     def _connect(self) -> socket.socket:
         """A connection to the server, (re)started where it is not running."""

@@ -490,6 +490,58 @@ def test_sglang_router_blue_green_and_rollback(
     assert router.key is None or router.key not in run.out + run.err + back.out + back.err
 
 
+def test_sglang_router_confirms_only_an_engine_that_generates_through_it(
+    models: dict[str, Path], twin_server: Served, tmp_path: Path
+) -> None:
+    """SGLang's router keeps listing a worker whose engine has died (until its health checks
+    fail): read back alone, a rollback to it would be said done with nothing serving. The
+    confirmation is a generation through the router."""
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic import RouterError
+    from kdctl.traffic.sglang_router import SGLangRouter
+    from kdctl.transports import TransportPool
+
+    need_sglang_router()
+    engine = serve_reference(models["dsv3"])
+    port = free_port()
+    proc = subprocess.Popen(
+        router_argv(port, [engine.url], prometheus_port=free_port()),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readiness", deadline_s=60)
+        inv = write_inventory(
+            tmp_path / "inv.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": engine_pair(engine.url, twin_server.url),
+                "router": {
+                    "kind": "sglang-router",
+                    "host": "local",
+                    "listen": f"127.0.0.1:{port}",
+                    "serving": "baseline",
+                },
+            },
+        )
+        loaded = load_inventory(inv)
+        with TransportPool(loaded) as pool:
+            router = SGLangRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
+            assert router.confirm({"baseline": 100}).weights == {"baseline": 100}
+            engine.proc.kill()
+            engine.proc.wait(10)
+            assert router.read().weights == {"baseline": 100}  # still listed
+            with pytest.raises(RouterError) as got:
+                router.confirm({"baseline": 100}, deadline_s=2)
+            assert "lists baseline, but no generation through it succeeded" in str(got.value)
+            with pytest.raises(RouterError):
+                router.apply({"baseline": 100})  # already listed: nothing to add, still refused
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        engine.proc.kill()
+
+
 def test_drain_answers_503_with_retry_after(front: dict[str, Any]) -> None:
     from kdctl.inventory import load_inventory
     from kdctl.traffic.nginx import NginxRouter

@@ -13,7 +13,8 @@ from urllib.parse import quote
 import httpx
 
 from kdctl._httpclient import http_client
-from kdctl.backends import bearer
+from kdctl.backends import GenerateRequest, bearer, make_backend
+from kdctl.backends.errors import BackendError
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
 
 
@@ -137,10 +138,29 @@ class SGLangRouter(Router):
                 lambda ws: [w["url"].rstrip("/") for w in ws] == [url],
                 f"only {target} to remain",
             )
-        state = self.read()
-        if state.weights != {target: 100}:
-            raise RouterError(f"read back {state.weights}, not {target} alone")
-        return state
+        return self.confirm({target: 100})
+
+    def confirm(self, weights: dict[str, int], *, deadline_s: float = 10.0) -> RouterState:
+        """The registry read back, and then a one-token generation through the front: the
+        registry lists a worker whose engine has died until its health checks fail, and its
+        `is_healthy` lags as long, so only an answer says the engine serves through it."""
+        state = super().confirm(weights)
+        (target,) = state.serving
+        spec = self.inv.backends[target].model_copy(update={"url": self.front_url})
+        key = self.inv.router_api_key()
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                with make_backend(target, spec, api_key=key, timeout=self.call_timeout_s) as be:
+                    be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1))
+                return state
+            except BackendError as exc:
+                if time.monotonic() > deadline:
+                    raise RouterError(
+                        f"sglang-router at {self.front_url} lists {target}, but no generation "
+                        f"through it succeeded within {deadline_s:g}s: {exc}"
+                    ) from None
+            time.sleep(0.2)
 
     def _wait(self, client: httpx.Client, done: Any, what: str) -> None:
         """Worker changes are queued jobs: poll the registry until it shows the change."""

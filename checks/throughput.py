@@ -393,6 +393,8 @@ def judge(
     metrics: list[Metric] = []
     reasons: list[str] = []
     findings: list[str] = []
+    # Runs that did not produce the output length asked: their figures are of another workload.
+    short: list[str] = []
     decided = False
     base_by = {b.max_concurrency: b for b in base_points or []}
     for p in points:
@@ -459,9 +461,17 @@ def judge(
                 )
         if p.token_count_mismatches:
             reasons.append(
-                f"{at}: {p.token_count_mismatches} streams carried a token count other than the "
-                "server's usage"
+                f"{at}: {p.token_count_mismatches} of {p.completed} streams delivered a number "
+                "of tokens other than the server's own count; the figures count the tokens "
+                "delivered"
             )
+        for who, run in ((backend, p), ("the baseline", base_by.get(p.max_concurrency))):
+            if run is not None and run.short_outputs:
+                short.append(
+                    f"{at}: {run.short_outputs} of {run.completed} requests to {who} stopped "
+                    f"before the {settings.workload.output_len} output tokens asked (ignore_eos "
+                    "is set), so it ran a shorter workload than the one judged"
+                )
         if base_points is None:
             continue
         decided = True
@@ -489,6 +499,10 @@ def judge(
         )
         (reasons if word == "holds" else findings).append(line)
     verdict = decide(metrics, findings)
+    if short:
+        reasons = short + reasons
+        if verdict == "pass":
+            verdict = "inconclusive"
     if verdict == "pass" and not decided:
         verdict = "inconclusive"
         reasons.append("no baseline and no SLO set: nothing to judge the figures against")

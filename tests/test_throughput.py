@@ -25,6 +25,7 @@ from kdctl.loadgen import (
     run_load,
 )
 from tests.conftest import Served, engine_pair, kdctl, need_module, write_inventory
+from tests.support.faulty import miscounting, serve
 
 need_module("torch", "reference")
 OUTPUT_LEN = 6
@@ -439,3 +440,40 @@ def test_a_stream_that_stalls_fails_at_the_request_timeout(client: str) -> None:
     assert (m.completed, m.failed) == (0, 2)
     assert m.errors == ["no answer within 1s"]
     assert took < 10
+
+
+def test_figures_count_the_tokens_delivered_and_a_short_run_is_not_judged(
+    inventory: Any,
+) -> None:
+    """An engine whose own count is twice the tokens it streams (draft tokens counted as
+    output) is measured by what it delivered, and says so; one that stops short of the length
+    asked although ignore_eos is set ran another workload: its ratio is not a verdict."""
+    over = serve(miscounting(streamed=OUTPUT_LEN, claimed=2 * OUTPUT_LEN))
+    short = serve(miscounting(streamed=OUTPUT_LEN // 2, claimed=OUTPUT_LEN // 2))
+    try:
+        inv = inventory(min_ratio=0.01)
+        data = yaml.safe_load(inv.read_text())
+        for name, server in (("over", over), ("short", short)):
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+            data["backends"][name] = {"kind": "sglang", "host": "local", "url": url}
+        write_inventory(inv, data)
+        code, result = gate(inv, "over", "--baseline", "baseline")
+        for p in result["details"]["points"]:
+            assert p["total_output_tokens"] == PROMPTS * OUTPUT_LEN, p
+            assert p["token_count_mismatches"] == PROMPTS and p["short_outputs"] == 0, p
+        assert code == 0 and result["verdict"] == "pass", result["reasons"]
+        assert (
+            f"concurrency 1: {PROMPTS} of {PROMPTS} streams delivered a number of tokens other "
+            "than the server's own count; the figures count the tokens delivered"
+        ) in result["reasons"]
+        code, result = gate(inv, "short", "--baseline", "baseline")
+        assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
+        assert (
+            f"concurrency 4: {PROMPTS} of {PROMPTS} requests to short stopped before the "
+            f"{OUTPUT_LEN} output tokens asked (ignore_eos is set), so it ran a shorter workload "
+            "than the one judged"
+        ) in result["reasons"]
+    finally:
+        for server in (over, short):
+            server.shutdown()
+            server.server_close()

@@ -124,7 +124,8 @@ async def _one(
         # A stream of text alone (SGLang's OpenAI routes carry no ids) has nothing to count
         # the server's figure against: not checked, rather than a mismatch.
         rec.streamed_tokens = streamed if streamed or server_out is None else None
-        rec.output_tokens = server_out if server_out is not None else streamed
+        rec.server_tokens = server_out
+        rec.output_tokens = streamed if rec.streamed_tokens is not None else (server_out or 0)
         rec.prompt_tokens = server_in if server_in is not None else len(req.input_ids or [])
         rec.ok = True
     except (RequestFailed, BackendError) as exc:

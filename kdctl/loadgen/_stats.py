@@ -19,10 +19,14 @@ class RequestRecord:
     ok: bool = False
     error: str | None = None
     prompt_tokens: int = 0
-    # The server's count (usage / meta_info); the streamed ids cross-check it, where the
-    # stream carries ids (None: it does not).
+    # What the figures count: the token ids the stream delivered, where it carries ids; the
+    # server's own count only where it carries text alone (SGLang's OpenAI routes).
     output_tokens: int = 0
+    # The ids streamed (None: the stream carries none), and the server's own count (usage /
+    # meta_info; None: it gave none). An engine that counts more than it sends (draft tokens
+    # counted as output) would otherwise be measured faster than it is.
     streamed_tokens: int | None = 0
+    server_tokens: int | None = None
     ttft_s: float | None = None
     e2el_s: float | None = None
     # Gaps between successive token-bearing chunks, pooled over requests as vLLM does.
@@ -165,7 +169,8 @@ class BenchMetrics(BaseModel):
     # Why an engine that drafts has no accept length for the run (its counters also grew by
     # traffic the load did not send).
     spec_accept_note: str | None = None
-    # Requests whose streamed token count disagreed with the server's own count.
+    # Requests whose streamed token count disagreed with the server's own count (the figures
+    # count the streamed ones).
     token_count_mismatches: int = 0
     # Requests that stopped before the asked output length although `ignore_eos` was set.
     short_outputs: int = 0
@@ -218,7 +223,9 @@ class BenchMetrics(BaseModel):
             token_count_mismatches=sum(
                 1
                 for r in done
-                if r.streamed_tokens is not None and r.streamed_tokens != r.output_tokens
+                if r.streamed_tokens is not None
+                and r.server_tokens is not None
+                and r.streamed_tokens != r.server_tokens
             ),
             short_outputs=sum(
                 1 for r in done if output_len is not None and r.output_tokens < output_len

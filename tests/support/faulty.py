@@ -90,6 +90,38 @@ class Bursty(Quiet):
     do_POST = _answer
 
 
+def miscounting(streamed: int, claimed: int) -> type[Quiet]:
+    """SGLang's stream shape of 0.4.10 to 0.5.5 (each event the new id, the text cumulative),
+    `streamed` token ids to a request while its last meta_info counts `claimed` completion
+    tokens: an engine that counts draft tokens as output, or (`streamed` short of the length
+    asked) one that stops early despite ignore_eos."""
+
+    class Miscounting(Quiet):
+        def do_POST(self) -> None:
+            self.drain()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(streamed):
+                meta: dict[str, Any] = {"prompt_tokens": 4, "completion_tokens": i + 1}
+                if i == streamed - 1:
+                    meta["completion_tokens"] = claimed
+                    meta["finish_reason"] = {"type": "length", "length": claimed}
+                body = {"text": "x" * (i + 1), "output_ids": [i + 1], "meta_info": meta}
+                self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.01)
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+        def do_GET(self) -> None:
+            if self.path in ("/server_info", "/model_info"):
+                return self.send(200, b'{"model_path": "/models/tiny"}')
+            return self.send(200 if self.path == "/health" else 404, b"{}")
+
+    return Miscounting
+
+
 def recorded(body: dict[str, Any], models: tuple[str, ...] = ("tiny",)) -> type[Quiet]:
     """A handler answering every POST with one recorded JSON body, as an engine's source shows
     it answers (tests/fixtures/sglang), and GET /v1/models with `models`."""

@@ -194,7 +194,7 @@ def kdctl_run(url: str, prompts: int, prompt_file: Path, work: Path, n: int) -> 
         baseline_lookup=lambda *_: None,
     )
     settings = spec.gates.throughput
-    requests, _ = build_requests(ctx, settings)
+    requests, _ = build_requests(ctx.inventory, settings)
     with ctx.backend("vllm") as be:
         ((runs,),) = measure(ctx, [be], settings, requests)
     m = runs.median

@@ -14,9 +14,11 @@ from kdctl.checks._base import (
     gate_class,
     gate_settings,
     gates,
+    measured_otherwise,
     provenance_for,
     provenance_of,
     with_settings,
+    workload_changed,
 )
 from kdctl.records import (
     Baseline,
@@ -47,8 +49,10 @@ __all__ = [
     "gate_class",
     "gate_settings",
     "gates",
+    "measured_otherwise",
     "provenance_for",
     "provenance_of",
     "utcnow",
     "with_settings",
+    "workload_changed",
 ]

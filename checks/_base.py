@@ -75,6 +75,14 @@ class Gate(abc.ABC):
     @abc.abstractmethod
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...
 
+    def workloads(self, inv: LoadedInventory) -> frozenset[str] | None:
+        """The hashes of the workloads this gate would send under `inv`'s settings, the same
+        way each result records its own (`provenance.workload_hash`): a prompt file edited in
+        place keeps its name in the settings and changes only this. None where a gate's
+        settings say all of what it sends. Raises InputError where the workload cannot be
+        read now (a prompt file gone)."""
+        return None
+
     def result(
         self,
         ctx: GateContext,
@@ -254,3 +262,49 @@ def with_settings(inv: LoadedInventory, gate: str, overrides: dict[str, Any]) ->
     merged = type(current).model_validate(current.model_dump() | overrides)
     gates = inv.spec.gates.model_copy(update={field: merged})
     return replace(inv, spec=inv.spec.model_copy(update={"gates": gates}))
+
+
+def measured_otherwise(inv: LoadedInventory, result: GateResult) -> str | None:
+    """Why `result` does not stand for its gate as the gate would run now under `inv`: other
+    settings, or another workload under the same settings; None where it does. Freshness says
+    whether the engine is the one measured; this, whether the measurement is the one asked."""
+    changed = _settings_changed(gate_settings(inv, result.gate), result.settings)
+    if changed:
+        return (
+            f"measured under other {result.gate} settings ({', '.join(changed)} differ from "
+            "the inventory's now)"
+        )
+    return workload_changed(inv, result)
+
+
+def workload_changed(inv: LoadedInventory, result: GateResult) -> str | None:
+    """Why `result` was measured on another workload than its gate sends now under `inv`'s
+    settings (a prompt file edited in place keeps its name in the settings); None where it was
+    not, or where the gate's settings say all it sends."""
+    try:
+        sends = gate_class(result.gate)().workloads(inv)
+    except InputError as exc:
+        return f"its workload cannot be read now to compare ({exc})"
+    if sends is None or result.provenance.workload_hash in sends:
+        return None
+    had = result.provenance.workload_hash or "none recorded"
+    return (
+        f"measured on another workload (workload {had}; the gate sends "
+        f"{' or '.join(sorted(sends))} now): its prompts changed under the same settings"
+    )
+
+
+def _settings_changed(now: dict[str, Any], had: dict[str, Any], at: str = "") -> list[str]:
+    """The settings, dotted, whose value now differs from the one a result ran with. Settings
+    chosen by name (commands) are compared by the names both hold: a command added since
+    changes none of the others."""
+    named = bool(now) and all(isinstance(v, dict) for v in now.values()) and at == ""
+    keys = now.keys() & had.keys() if named and had else now.keys()
+    out = []
+    for k in sorted(keys):
+        a, b = now.get(k), had.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _settings_changed(a, b, f"{at}{k}.")
+        elif a != b:
+            out.append(f"{at}{k}")
+    return out

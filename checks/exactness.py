@@ -17,7 +17,7 @@ from kdctl._limits import check_size, load_json
 from kdctl.backends import Backend, GenerateRequest
 from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.errors import InputError, KdctlError
-from kdctl.inventory import local_path
+from kdctl.inventory import LoadedInventory, local_path
 from kdctl.inventory.models import ExactnessSettings
 from kdctl.records import Baseline, GateResult, Metric, content_hash, utcnow
 
@@ -65,17 +65,17 @@ def load_corpus(path: Path) -> list[dict[str, Any]]:
     return items
 
 
-def corpus_path(ctx: GateContext, settings: ExactnessSettings) -> Path:
+def corpus_path(inv: LoadedInventory, settings: ExactnessSettings) -> Path:
     """The configured corpus, relative to the inventory; else the one kdctl ships."""
-    return prompt_file(ctx, settings.corpus, "gates.exactness.corpus")
+    return prompt_file(inv, settings.corpus, "gates.exactness.corpus")
 
 
-def prompt_file(ctx: GateContext, configured: Path | None, field: str) -> Path:
+def prompt_file(inv: LoadedInventory, configured: Path | None, field: str) -> Path:
     """A prompt file named in the inventory: relative to it, else one shipped under
     roadmap/prompts/; unset, the sandbox corpus."""
     if configured is None:
         return shipped_prompts(DEFAULT_CORPUS)
-    path = local_path(configured, ctx.inventory.path.parent)
+    path = local_path(configured, inv.path.parent)
     if path.exists():
         return path
     shipped = shipped_prompts(configured.name)
@@ -171,12 +171,16 @@ class ExactnessGate(Gate):
     description = "greedy outputs on a prompt corpus against the baseline's golden outputs"
     needs_baseline = True
 
+    def workloads(self, inv: LoadedInventory) -> frozenset[str] | None:
+        settings = inv.spec.gates.exactness
+        return frozenset({workload_hash(load_corpus(corpus_path(inv, settings)), settings)})
+
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
         started = utcnow()
         settings = ctx.inventory.spec.gates.exactness
         if baseline is None:
             raise InputError("the exactness gate needs --baseline: whose golden outputs to match")
-        path = corpus_path(ctx, settings)
+        path = corpus_path(ctx.inventory, settings)
         corpus = load_corpus(path)
         workload = workload_hash(corpus, settings)
         info = None
@@ -275,7 +279,7 @@ def _lp(value: float | None) -> str:
 def record_golden(ctx: GateContext, backend: str) -> Baseline:
     """Golden outputs of the engine serving today, for later comparison with a candidate."""
     settings = ctx.inventory.spec.gates.exactness
-    path = corpus_path(ctx, settings)
+    path = corpus_path(ctx.inventory, settings)
     corpus = load_corpus(path)
     workload = workload_hash(corpus, settings)
     with ctx.backend(backend) as be:

@@ -17,6 +17,7 @@ from kdctl.backends import Backend, GenerateRequest, HttpBackend, SpecCounters
 from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.checks.exactness import load_corpus, prompt_file, shipped_prompts
 from kdctl.errors import InfraError, InputError, KdctlError
+from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import ThroughputSettings
 from kdctl.loadgen import SLO, BenchMetrics, LoadPlan, Progress, run_load
 from kdctl.records import (
@@ -45,7 +46,7 @@ _PROBE = GenerateRequest(text="def add(a, b):", max_new_tokens=8, temperature=0.
 
 
 def build_requests(
-    ctx: GateContext, settings: ThroughputSettings, *, text: bool | None = None
+    inv: LoadedInventory, settings: ThroughputSettings, *, text: bool | None = None
 ) -> tuple[list[GenerateRequest], str]:
     """The workload's requests and its hash: random token ids from the seed, or a prompt file
     cycled to `num_prompts`. `text` is the choice `source: auto` leaves to the engines
@@ -62,7 +63,7 @@ def build_requests(
         ]
     else:
         path = (
-            prompt_file(ctx, w.prompts, "gates.throughput.workload.prompts")
+            prompt_file(inv, w.prompts, "gates.throughput.workload.prompts")
             if w.prompts is not None
             else shipped_prompts(TEXT_CORPUS)
         )
@@ -242,7 +243,7 @@ def record_throughput(ctx: GateContext, backend: str) -> list[Baseline]:
 def _record_one(
     ctx: GateContext, backend: str, settings: ThroughputSettings, text: bool | None
 ) -> Baseline:
-    requests, workload = build_requests(ctx, settings, text=text)
+    requests, workload = build_requests(ctx.inventory, settings, text=text)
     with ctx.backend(backend) as be:
         info = be.info()
         (runs,) = measure(ctx, [be], settings, requests)
@@ -278,6 +279,13 @@ class ThroughputGate(Gate):
     takes_baseline = True
     description = "output token throughput against the baseline's, and latency SLOs"
 
+    def workloads(self, inv: LoadedInventory) -> frozenset[str] | None:
+        settings = inv.spec.gates.throughput
+        w = settings.workload
+        # `source: auto` leaves text or random ids to whether the engines draft when it runs.
+        choices = (False, True) if w.source == "auto" and w.prompts is None else (None,)
+        return frozenset(build_requests(inv, settings, text=t)[1] for t in choices)
+
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult:
         started = utcnow()
         settings = ctx.inventory.spec.gates.throughput
@@ -287,7 +295,7 @@ class ThroughputGate(Gate):
         # Under `source: auto` with no prompt file, a drafting engine is measured on text.
         auto = settings.workload.source == "auto" and settings.workload.prompts is None
         drafting = drafting if auto else []
-        requests, workload = build_requests(ctx, settings, text=bool(drafting) or None)
+        requests, workload = build_requests(ctx.inventory, settings, text=bool(drafting) or None)
         random_ids = requests[0].input_ids is not None
         info = None
         source = ""

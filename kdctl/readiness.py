@@ -23,6 +23,7 @@ from kdctl.checks import (
     freshness_window,
     gate_class,
     gates,
+    measured_otherwise,
     utcnow,
     with_settings,
 )
@@ -130,6 +131,10 @@ def latest_verdicts(
                     live=ident.live,
                 )
                 verdict.fresh, verdict.freshness = f.fresh, f.reason
+            other = measured_otherwise(inv, r)
+            if other is not None and verdict.fresh is not False:
+                # Whoever the engine is, this is not the measurement the inventory asks for now.
+                verdict.fresh, verdict.freshness = False, f"stale: {other}"
             found.append(verdict)
     return found
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks import freshness_window, gate_settings, with_settings
+from kdctl.checks import freshness_window, gate_settings, with_settings, workload_changed
 from kdctl.evidence import EvidenceStore, freshness
 from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
@@ -463,6 +463,11 @@ def _criterion(
             result, window=window, current=identity.provenance, now=now, live=identity.live
         )
         fresh_ok, why = f.fresh, f.reason
+    if fresh_ok:
+        # The settings matched (pinned); the prompts they name may have changed since.
+        other = workload_changed(with_settings(inv, c.gate, c.spec.settings), result)
+        if other is not None:
+            fresh_ok, why = False, f"stale: {other}"
     if fresh_ok and front is not None and c.gate == "promotion" and result.verdict == "pass":
         # A promotion says what the router did then; the front says what it does now.
         moved = front.promoted(c.backend)

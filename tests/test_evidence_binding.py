@@ -10,7 +10,15 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import Served, engine_pair, kdctl, need_module, serve_reference, write_inventory
+from tests.conftest import (
+    REPO,
+    Served,
+    engine_pair,
+    kdctl,
+    need_module,
+    serve_reference,
+    write_inventory,
+)
 
 need_module("torch", "reference")
 
@@ -188,3 +196,56 @@ def test_an_engine_restarted_under_other_settings_makes_old_evidence_stale(
     finally:
         candidate.proc.terminate()
         candidate.proc.wait(10)
+
+
+def test_prompts_edited_in_place_or_settings_changed_leave_old_results_standing_for_nothing(
+    tmp_path: Path, reference_server: Served, twin_server: Served
+) -> None:
+    """The corpus keeps its name and gains prompts: the exactness pass measured on the old ones
+    no longer meets the criterion, in phases, status and the cutover answer alike, and says why.
+    The inventory's gate settings changed since a run: status's latest verdict is stale too."""
+    corpus = tmp_path / "prompts.jsonl"
+    lines = (REPO / "roadmap" / "prompts" / "k26.jsonl").read_text().splitlines()
+    corpus.write_text("\n".join(lines[:2]) + "\n")
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    data: dict[str, Any] = {
+        "hosts": {"local": {"transport": "local"}},
+        "backends": engine_pair(reference_server.url, twin_server.url),
+        "gates": {
+            "exactness": {
+                "max_new_tokens": 4,
+                "top_k": 3,
+                "mode": "strict",
+                "corpus": "prompts.jsonl",
+            }
+        },
+        "roadmap": "roadmap.yaml",
+        "state_dir": "state",
+    }
+    inv = write_inventory(tmp_path / "inv.yaml", data)
+    for args in (
+        ("baseline", "record", "-b", "baseline", "--only", "golden"),
+        ("gate", "run", "exactness", "-b", "candidate"),
+    ):
+        ran = kdctl(*args, "-i", str(inv))
+        assert ran.code == 0, ran.out + ran.err
+    got = _answers(inv, tmp_path)
+    assert got["criterion"]["state"] == "pass", got["criterion"]
+
+    corpus.write_text("\n".join(lines[:4]) + "\n")
+    got = _answers(inv, tmp_path)
+    assert got["can"] is False
+    c = got["criterion"]
+    assert c["state"] == "stale" and "measured on another workload" in c["reason"], c
+    assert "its prompts changed under the same settings" in c["reason"], c
+    status = json.loads(kdctl("status", "-i", str(inv), "--json", "--timeout", "5").out)
+    (latest,) = [v for v in status["gates"] if v["gate"] == "exactness"]
+    assert latest["fresh"] is False and "measured on another workload" in latest["freshness"]
+
+    corpus.write_text("\n".join(lines[:2]) + "\n")  # the prompts measured, back again
+    data["gates"]["exactness"]["max_new_tokens"] = 6
+    write_inventory(inv, data)
+    status = json.loads(kdctl("status", "-i", str(inv), "--json", "--timeout", "5").out)
+    (latest,) = [v for v in status["gates"] if v["gate"] == "exactness"]
+    assert latest["fresh"] is False, latest
+    assert "measured under other exactness settings (max_new_tokens differ" in latest["freshness"]

@@ -58,6 +58,7 @@ def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
     """An inventory, and a history of throughput results (days ago, ratio, engine version)
     imported through `kdctl evidence import`."""
     from kdctl.checks._base import gate_settings
+    from kdctl.checks.throughput import build_requests
     from kdctl.evidence import SqliteStore, export_evidence
     from kdctl.inventory import load_inventory
     from kdctl.records import GateResult, Metric, Provenance
@@ -75,7 +76,10 @@ def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
             "state_dir": "state",
         },
     )
-    settings = gate_settings(load_inventory(inv_path), "throughput")
+    loaded = load_inventory(inv_path)
+    settings = gate_settings(loaded, "throughput")
+    # The workload a run of the gate sends under these settings, as each of its results records.
+    workload = build_requests(loaded, loaded.spec.gates.throughput)[1]
     now = datetime.now(timezone.utc)
     here = local_host_id()
     with SqliteStore(tmp_path / "ci.sqlite") as ci:
@@ -94,6 +98,7 @@ def _setup(tmp_path: Path, series: list[tuple[float, float, str]]) -> Path:
                         host="local",
                         host_id=here,
                         baseline_host_id=here,
+                        workload_hash=workload,
                     ),
                     settings=settings,
                     started_at=ended - timedelta(minutes=5),

@@ -168,9 +168,15 @@ def record_signoff(
     *,
     session: Session | None = None,
 ) -> GateResult:
-    """A person's approval, kept as evidence like any gate's result."""
+    """A person's approval, kept as evidence like any gate's result, bound to the engine as it
+    answers now (its build, settings, weights): an approval of one build is not one of the
+    next. An engine that does not answer is described by the inventory, and the result says so."""
     check_names(inv, backend)
     with using(inv, session) as s, gate_context(inv, store, session=s) as ctx:
-        result = s.binder.bind_result(sign_off(ctx, backend, by, note))
+        (now,) = s.identify([backend]).values()
+        result = sign_off(ctx, backend, by, note)
+        result = result.model_copy(update={"provenance": now.provenance})
+        if not now.live and now.note:
+            result.reasons.append(now.note)
     store.record(result)
     return result

@@ -211,8 +211,36 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
             steps = [(s.kind, s.phase) for s in journal.get(outcome["id"]).steps]  # type: ignore[union-attr]
         assert steps.index(("stop", "done")) < steps.index(("start", "started"))
         assert steps[0] == ("force", "done")
-        # The front is open again, on the candidate; and back.
+        # The front is open again, on the candidate; signed off as it serves; and back.
         r = httpx.get(swap.front_url + "/health")
         assert r.headers["x-kdctl-backend"] == "candidate"
+        signed = kdctl("signoff", "-b", "candidate", "--by", "Ada", "--note", "soak", "-i", inv)
+        assert signed.code == 0, signed.err
         assert kdctl("rollback", "--yes", "-i", inv, env=env, timeout=600).code == 0
+        assert httpx.get(swap.front_url + "/health").headers["x-kdctl-backend"] == "baseline"
+
+        # Stopped, the candidate is cleared on evidence held to what the inventory declares,
+        # a sign-off now among it. Its service now starts it drafting: once it answers, the
+        # sign-off given to the engine that did not draft does not hold, and the swap,
+        # unforced, rolls back.
+        roadmap = yaml.safe_load((tmp_path / "roadmap.yaml").read_text())
+        roadmap["phases"][0]["criteria"].append({"name": "signed", "gate": "sign-off"})
+        (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(roadmap, sort_keys=False))
+        data = yaml.safe_load(Path(inv).read_text())
+        data["backends"]["candidate"]["service"]["command"] += [
+            "--draft-model",
+            str(models["dsv3-draft"]),
+            "--draft-tokens",
+            "3",
+        ]
+        write_inventory(Path(inv), data)
+        phased = json.loads(kdctl("phases", "-i", inv, "--json", env=env).out)
+        assert phased["answers"]["cutover"]["can_cut_over"] is True, phased["answers"]
+        again = kdctl("cutover", "--to", "candidate", "--yes", "-i", inv, "--json", env=env)
+        assert again.code == 1, again.out + again.err
+        outcome = json.loads(again.out)
+        assert outcome["state"] == "rolled_back", outcome
+        reason = outcome["reason"]
+        assert "candidate started, but its evidence does not hold for it" in reason, reason
+        assert "ready/signed: stale" in reason and "speculative_algorithm None" in reason, reason
         assert httpx.get(swap.front_url + "/health").headers["x-kdctl-backend"] == "baseline"

@@ -11,7 +11,6 @@ from kdctl.checks.promotion import promotion_result
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
-from kdctl.readiness import assess
 from kdctl.records import GateResult, utcnow
 from kdctl.session import Session, using
 from kdctl.traffic._router import Router, RouterState
@@ -25,6 +24,7 @@ from kdctl.traffic.runner import (
     Step,
     Strategy,
     plan_cutover,
+    preflight,
     restore,
 )
 
@@ -36,16 +36,6 @@ class Refused(KdctlError):
     """A cutover kdctl will not make: prerequisites unmet, or no one said yes."""
 
     exit_code = 1
-
-
-def preflight(
-    inv: LoadedInventory, store: EvidenceStore, to: str, *, session: Session | None = None
-) -> list[str]:
-    """Every criterion that keeps `to` out, with why; empty when the cutover may go."""
-    found = assess(inv, store, candidate=to, session=session)
-    if found.phases is None:
-        return ["no roadmap selected: nothing says the candidate is ready"]
-    return list(found.answers.cutover.blocking)
 
 
 def cutover(
@@ -105,7 +95,7 @@ def cutover(
             )
             if blocking:
                 journal.step(cid, -1, "force", {"unmet": blocking}, "done", "forced past preflight")
-            runner = Runner(inv, router, journal, store, s, on_step=on_step)
+            runner = Runner(inv, router, journal, store, s, on_step=on_step, forced=bool(blocking))
             return runner.run(cid, plan)
 
 
@@ -210,7 +200,9 @@ def _resume(
             journal.step(
                 record.id, -1, "force", {"unmet": blocking}, "done", "forced past preflight"
             )
-        runner = Runner(inv, router, journal, store, session, on_step=on_step)
+        runner = Runner(
+            inv, router, journal, store, session, on_step=on_step, forced=bool(blocking)
+        )
         return runner.run(record.id, plan, skip=record.done_steps)
 
 

@@ -39,6 +39,7 @@ from kdctl.loadgen import (
     resolution,
     run_load,
 )
+from kdctl.readiness import assess
 from kdctl.recording import run_gates
 from kdctl.records import GateResult, Verdict, utcnow
 from kdctl.serving import front_api_key
@@ -173,6 +174,16 @@ class CutoverOutcome(BaseModel):
     watches: list[dict[str, Any]] = []
 
 
+def preflight(
+    inv: LoadedInventory, store: EvidenceStore, to: str, *, session: Session | None = None
+) -> list[str]:
+    """Every criterion that keeps `to` out, with why; empty when the cutover may go."""
+    found = assess(inv, store, candidate=to, session=session)
+    if found.phases is None:
+        return ["no roadmap selected: nothing says the candidate is ready"]
+    return list(found.answers.cutover.blocking)
+
+
 @dataclass
 class Runner:
     """Executes a plan; `on_step` hears of every step as it starts (for progress output)."""
@@ -183,6 +194,8 @@ class Runner:
     store: EvidenceStore
     session: Session
     on_step: Callable[[int, Step], None] | None = None
+    # Started past unmet criteria: nothing is held against the new engine but its smoke gate.
+    forced: bool = False
     watches: list[dict[str, Any]] = field(default_factory=list)
     drained_at: float | None = None
     downtime_s: float | None = None
@@ -288,6 +301,16 @@ class Runner:
                 "smoke gate failed: "
                 + "; ".join(f"{r.gate} {r.verdict}: {(r.reasons or [''])[0]}" for r in bad)
             )
+        if not self.forced:
+            # Stopped at the preflight, the engine was held to what its host shows and the
+            # inventory declares; now it answers, the evidence that cleared it must describe
+            # the engine that started (its build, its settings), not the one measured before.
+            self.session.forget(name)
+            unmet = preflight(self.inv, self.store, name, session=self.session)
+            if unmet:
+                raise AnalysisFailed(
+                    f"{name} started, but its evidence does not hold for it: " + "; ".join(unmet)
+                )
         return "; ".join(
             f"{r.gate} pass" if r.verdict == "pass" else (r.reasons or [f"{r.gate} skipped"])[0]
             for r in results

@@ -58,6 +58,8 @@ class BackendStatus(BaseModel):
     tp_size: int
     # Whether the engine itself reported tp_size; else it is the inventory's figure.
     tp_size_reported: bool = False
+    # Whether `model` is the engine's own word, not the inventory's.
+    model_reported: bool = False
     context_length: int | None = None
     # Whether the engine decodes speculatively, by its own settings (its algorithm), and its
     # own lifetime count of tokens per verification; None where it does not say.
@@ -143,6 +145,7 @@ def _identify(
         return None
     status.identity = "live"
     status.model = info.model or status.model
+    status.model_reported = info.model is not None
     status.served_name = info.served_name
     status.version = info.version
     status.context_length = info.context_length

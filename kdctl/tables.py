@@ -99,7 +99,7 @@ def status_tables(report: StatusReport) -> Group:
             state,
             _ms(b.latency_ms),
             # What the engine did not say itself is marked as the inventory's word.
-            _t(b.model if b.identity == "live" or not b.model else f"{b.model} (inventory)"),
+            _t(b.model if b.model_reported or not b.model else f"{b.model} (inventory)"),
             _t(b.version),
             str(b.tp_size) if b.tp_size_reported else f"{b.tp_size} (inventory)",
             _t(_drafts(b)),

@@ -326,3 +326,44 @@ def test_an_engine_whose_process_runs_but_does_not_listen_yet_is_starting(
         loading.wait()
     (engine,) = json.loads(kdctl("status", "-i", str(inv), "--json").out)["backends"]
     assert engine["state"] == "down", engine
+
+
+def test_a_model_the_engine_does_not_name_is_shown_as_the_inventorys(tmp_path: Path) -> None:
+    """An engine that answers its info routes without naming its model: status shows the
+    inventory's model marked as such, never as the engine's word."""
+    from tests.support.faulty import replay, serve
+
+    info = (200, b'{"version": "0.5.23"}', "application/json")
+    server = serve(
+        replay(
+            {
+                ("GET", "/server_info"): info,
+                ("GET", "/model_info"): (200, b"{}", "application/json"),
+                ("GET", "/health"): (200, b"", "text/plain"),
+            }
+        )
+    )
+    try:
+        inv = write_inventory(
+            tmp_path / "inv.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": {
+                    "engine": {
+                        "kind": "sglang",
+                        "host": "local",
+                        "url": f"http://127.0.0.1:{server.server_address[1]}",
+                        "model": "/models/Kimi-K2.6-INT4",
+                    }
+                },
+                "state_dir": "state",
+            },
+        )
+        doc = json.loads(kdctl("status", "-i", str(inv), "--json").out)
+        (engine,) = doc["backends"]
+        assert engine["identity"] == "live" and engine["model_reported"] is False, engine
+        table = kdctl("status", "-i", str(inv)).out
+        assert "/models/Kimi-K2.6-INT4 (inventory)" in table, table
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -528,14 +529,39 @@ def test_sglang_router_confirms_only_an_engine_that_generates_through_it(
         with TransportPool(loaded) as pool:
             router = SGLangRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
             assert router.confirm({"baseline": 100}).weights == {"baseline": 100}
+            answer = json.loads(kdctl("status", "-i", str(inv), "--json").out)["answers"]
+            assert answer["serving"]["backend"] == "baseline", answer["serving"]
+
+            # A worker registered by an address no backend has: the answers through the
+            # router are no longer credited to the one the inventory knows.
+            front = f"http://127.0.0.1:{port}"
+            stranger = twin_server.url.replace("127.0.0.1", "localhost")
+            assert httpx.post(front + "/workers", json={"url": stranger}).status_code < 300
+            deadline = time.monotonic() + 30
+            while len(httpx.get(front + "/workers").json()["workers"]) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            serving = json.loads(kdctl("status", "-i", str(inv), "--json").out)["answers"][
+                "serving"
+            ]
+            assert serving["backend"] is None, serving
+            assert f"the router also sends traffic to {stranger}" in serving["detail"], serving
+            (listed,) = [
+                w for w in httpx.get(front + "/workers").json()["workers"] if w["url"] == stranger
+            ]
+            httpx.delete(f"{front}/workers/{listed.get('id') or quote(stranger, safe='')}")
+            while len(httpx.get(front + "/workers").json()["workers"]) > 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
             engine.proc.kill()
             engine.proc.wait(10)
             assert router.read().weights == {"baseline": 100}  # still listed
-            with pytest.raises(RouterError) as got:
-                router.confirm({"baseline": 100}, deadline_s=2)
+            # Already listed: nothing to add, and still refused.
+            with pytest.MonkeyPatch.context() as mp, pytest.raises(RouterError) as got:
+                mp.setattr(SGLangRouter, "confirm_s", 2.0)
+                router.apply({"baseline": 100})
             assert "lists baseline, but no generation through it succeeded" in str(got.value)
-            with pytest.raises(RouterError):
-                router.apply({"baseline": 100})  # already listed: nothing to add, still refused
     finally:
         proc.terminate()
         proc.wait(10)

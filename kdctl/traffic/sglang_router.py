@@ -51,6 +51,8 @@ class SGLangRouter(Router):
     wait_s: ClassVar[float] = 60.0
     # One call of the worker API; a router that takes longer is reported, not waited on.
     call_timeout_s: ClassVar[float] = 10.0
+    # How long a change is given to answer a generation through the router.
+    confirm_s: ClassVar[float] = 10.0
 
     def _client(self) -> httpx.Client:
         # The router's own key, where it requires one, on its worker API as on its front.
@@ -140,7 +142,7 @@ class SGLangRouter(Router):
             )
         return self.confirm({target: 100})
 
-    def confirm(self, weights: dict[str, int], *, deadline_s: float = 10.0) -> RouterState:
+    def confirm(self, weights: dict[str, int], *, deadline_s: float | None = None) -> RouterState:
         """The registry read back, and then a one-token generation through the front: the
         registry lists a worker whose engine has died until its health checks fail, and its
         `is_healthy` lags as long, so only an answer says the engine serves through it."""
@@ -148,6 +150,7 @@ class SGLangRouter(Router):
         (target,) = state.serving
         spec = self.inv.backends[target].model_copy(update={"url": self.front_url})
         key = self.inv.router_api_key()
+        deadline_s = self.confirm_s if deadline_s is None else deadline_s
         deadline = time.monotonic() + deadline_s
         while True:
             try:

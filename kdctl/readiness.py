@@ -156,6 +156,9 @@ class CutoverAnswer(BaseModel):
     can_cut_over: bool | None
     blocking: list[str] = []
     soon: Soon | None = None
+    # Where the candidate is stopped (it shares GPUs with the engine serving): how its
+    # evidence was held, since no engine answered for it.
+    held: str | None = None
 
 
 class Answers(BaseModel):
@@ -183,6 +186,8 @@ class Answers(BaseModel):
             cut = "Cut over now: unknown (no roadmap selected)"
         elif c.can_cut_over:
             cut = f"Cut over to {c.candidate} now: yes (every prerequisite of {c.target} is met)"
+            if c.held:
+                cut += f"; {c.held}"
         else:
             shown = "; ".join(c.blocking[:6]) + (" ..." if len(c.blocking) > 6 else "")
             soon = f"; soon: {c.soon.detail}" if c.soon else ""
@@ -269,6 +274,7 @@ def _assess(
         else None
     )
     blocking = [f"{c.phase}/{c.name}: {c.reason}" for c in report.blocking] if report else []
+    held: str | None = None
     if report is not None:
         # Traffic cannot move to an engine that does not answer, whatever its evidence says.
         cand = identify({report.candidate})[report.candidate]
@@ -285,16 +291,12 @@ def _assess(
             # It cannot run while the engine it replaces holds its GPUs: a cutover is a swap,
             # whose smoke gate judges it live before traffic reopens. Its criteria stand, held
             # to what its host shows and the inventory declares, and it is said so.
-            report = report.model_copy(
-                update={
-                    "notes": [
-                        *report.notes,
-                        f"{report.candidate} is stopped: it shares GPUs with {serving_now}, so "
-                        "its evidence is held to what its host shows and the inventory declares; "
-                        "the swap's smoke gate judges it live before traffic reopens",
-                    ]
-                }
+            held = (
+                f"{report.candidate} is stopped: it shares GPUs with {serving_now}, so its "
+                "evidence is held to what its host shows and the inventory declares; the swap "
+                "judges it again once it answers, before traffic reopens"
             )
+            report = report.model_copy(update={"notes": [*report.notes, held]})
         elif not cand.live:
             blocking.append(f"{report.candidate} is not answering: {cand.note}")
             # phases --json and every report carry the same verdict as answer 3.
@@ -309,6 +311,7 @@ def _assess(
             can_cut_over=not blocking if report else None,
             blocking=blocking,
             soon=soon,
+            held=held,
         ),
         assessed_at=now,
         regressions=[

@@ -235,7 +235,12 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         ]
         write_inventory(Path(inv), data)
         phased = json.loads(kdctl("phases", "-i", inv, "--json", env=env).out)
-        assert phased["answers"]["cutover"]["can_cut_over"] is True, phased["answers"]
+        answer = phased["answers"]["cutover"]
+        assert answer["can_cut_over"] is True, answer
+        assert "candidate is stopped: it shares GPUs with baseline" in answer["held"], answer
+        said = " ".join(kdctl("status", "-i", inv, env=env).out.split())
+        assert "Cut over to candidate now: yes" in said, said
+        assert "the swap judges it again once it answers" in said, said
         again = kdctl("cutover", "--to", "candidate", "--yes", "-i", inv, "--json", env=env)
         assert again.code == 1, again.out + again.err
         outcome = json.loads(again.out)

@@ -31,6 +31,18 @@ class ChatResult(BaseModel):
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
+# vLLM's `vllm:cache_config_info` labels that are figures of one start (the blocks its memory
+# allowed), not how it was started: two starts of one configuration differ in them.
+_PER_START = frozenset(
+    {
+        "engine",
+        "num_gpu_blocks",
+        "num_cpu_blocks",
+        "kv_cache_size_tokens",
+        "kv_cache_max_concurrency",
+    }
+)
+
 
 class OpenAIBackend(HttpBackend):
     kind = "openai"
@@ -68,11 +80,30 @@ class OpenAIBackend(HttpBackend):
                 # inventory's figure.
                 tp_size=None,
                 context_length=card.get("max_model_len"),
+                settings=self._cache_settings(),
             )
         except ValidationError as exc:
             raise BackendProtocolError(
                 self.name, self.http.url("/v1/models"), f"unexpected model card: {exc}"
             ) from None
+
+    def _cache_settings(self) -> dict[str, Any] | None:
+        """vLLM's cache configuration, the part of how it was started that its API reports
+        (the labels of its `vllm:cache_config_info` gauge: block size, KV cache dtype, prefix
+        caching, memory fraction, ...); None for an engine that exports none. Its TP size and
+        drafting configuration it does not report."""
+        try:
+            family = self.metrics().get("vllm:cache_config_info")
+        except BackendError:
+            return None
+        if family is None or not family.samples:
+            return None
+        labels: dict[str, str] = family.samples[0].labels
+        return {
+            f"cache_config.{k}": v
+            for k, v in sorted(labels.items())
+            if k not in _PER_START and not k.startswith("_")
+        }
 
     def _body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -264,7 +265,14 @@ def with_settings(inv: LoadedInventory, gate: str, overrides: dict[str, Any]) ->
     return replace(inv, spec=inv.spec.model_copy(update={"gates": gates}))
 
 
-def measured_otherwise(inv: LoadedInventory, result: GateResult) -> str | None:
+# The workloads a gate sends under given settings, computed once per assessment:
+# a throughput workload of random ids is a few hundred thousand draws to hash.
+Workloads = dict[tuple[str, str], "frozenset[str] | InputError | None"]
+
+
+def measured_otherwise(
+    inv: LoadedInventory, result: GateResult, memo: Workloads | None = None
+) -> str | None:
     """Why `result` does not stand for its gate as the gate would run now under `inv`: other
     settings, or another workload under the same settings; None where it does. Freshness says
     whether the engine is the one measured; this, whether the measurement is the one asked."""
@@ -274,17 +282,25 @@ def measured_otherwise(inv: LoadedInventory, result: GateResult) -> str | None:
             f"measured under other {result.gate} settings ({', '.join(changed)} differ from "
             "the inventory's now)"
         )
-    return workload_changed(inv, result)
+    return workload_changed(inv, result, memo)
 
 
-def workload_changed(inv: LoadedInventory, result: GateResult) -> str | None:
+def workload_changed(
+    inv: LoadedInventory, result: GateResult, memo: Workloads | None = None
+) -> str | None:
     """Why `result` was measured on another workload than its gate sends now under `inv`'s
     settings (a prompt file edited in place keeps its name in the settings); None where it was
     not, or where the gate's settings say all it sends."""
-    try:
-        sends = gate_class(result.gate)().workloads(inv)
-    except InputError as exc:
-        return f"its workload cannot be read now to compare ({exc})"
+    memo = {} if memo is None else memo
+    key = (result.gate, json.dumps(gate_settings(inv, result.gate), sort_keys=True))
+    if key not in memo:
+        try:
+            memo[key] = gate_class(result.gate)().workloads(inv)
+        except InputError as exc:
+            memo[key] = exc
+    sends = memo[key]
+    if isinstance(sends, InputError):
+        return f"its workload cannot be read now to compare ({sends})"
     if sends is None or result.provenance.workload_hash in sends:
         return None
     had = result.provenance.workload_hash or "none recorded"

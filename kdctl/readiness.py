@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from kdctl.checks import (
     GateResult,
     ProgressHook,
+    Workloads,
     freshness_window,
     gate_class,
     gates,
@@ -104,6 +105,7 @@ def latest_verdicts(
     now = now or utcnow()
     known = identities or {}
     found = []
+    memo: Workloads = {}
     for backend in inv.backends:
         for gate in sorted(gates()):
             r = store.latest(gate, backend)
@@ -131,7 +133,7 @@ def latest_verdicts(
                     live=ident.live,
                 )
                 verdict.fresh, verdict.freshness = f.fresh, f.reason
-            other = measured_otherwise(inv, r)
+            other = measured_otherwise(inv, r, memo)
             if other is not None and verdict.fresh is not False:
                 # Whoever the engine is, this is not the measurement the inventory asks for now.
                 verdict.fresh, verdict.freshness = False, f"stale: {other}"

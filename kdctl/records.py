@@ -245,6 +245,11 @@ NAMED_SETTINGS = (
     "context_length",
     "device",
     "incremental_streaming_output",
+    # vLLM's, from its cache configuration (the part of its start its API reports).
+    "cache_config.cache_dtype",
+    "cache_config.block_size",
+    "cache_config.enable_prefix_caching",
+    "cache_config.gpu_memory_utilization",
 )
 
 

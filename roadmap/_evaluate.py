@@ -14,7 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from kdctl.checks import freshness_window, gate_settings, with_settings, workload_changed
+from kdctl.checks import (
+    Workloads,
+    freshness_window,
+    gate_settings,
+    with_settings,
+    workload_changed,
+)
 from kdctl.evidence import EvidenceStore, freshness
 from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
@@ -159,11 +165,18 @@ def evaluate(
         {c.backend for c in with_evidence}
         | {c.baseline for c in with_evidence if c.baseline is not None}
     )
+    memo: Workloads = {}
     criteria: dict[str, list[CriterionStatus]] = {
         phase_id: [
             _with_trend(
                 _criterion(
-                    c, inv, found[(c.phase, c.name)], _bound_identity(c, identities), now, front
+                    c,
+                    inv,
+                    found[(c.phase, c.name)],
+                    _bound_identity(c, identities),
+                    now,
+                    front,
+                    memo,
                 ),
                 c,
                 histories[(c.phase, c.name)],
@@ -425,6 +438,7 @@ def _criterion(
     identity: Identity | None,
     now: datetime,
     front: FrontNow | None = None,
+    memo: Workloads | None = None,
 ) -> CriterionStatus:
     window = parse_duration(c.spec.freshness) if c.spec.freshness else freshness_window(inv, c.gate)
     base: dict[str, Any] = {
@@ -465,7 +479,7 @@ def _criterion(
         fresh_ok, why = f.fresh, f.reason
     if fresh_ok:
         # The settings matched (pinned); the prompts they name may have changed since.
-        other = workload_changed(with_settings(inv, c.gate, c.spec.settings), result)
+        other = workload_changed(with_settings(inv, c.gate, c.spec.settings), result, memo)
         if other is not None:
             fresh_ok, why = False, f"stale: {other}"
     if fresh_ok and front is not None and c.gate == "promotion" and result.verdict == "pass":

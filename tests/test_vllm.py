@@ -88,6 +88,14 @@ def test_openai_kind_against_vllm(vllm: str, llama: Path, report: Any) -> None:
         assert info.tp_size is None  # the OpenAI API does not say; never the inventory's 1
         assert info.version  # vLLM's /version
         got_version = info.version
+        # How it was started, as far as its API says: its cache configuration, less the
+        # blocks its memory allowed at this start.
+        assert info.settings is not None, info
+        assert (
+            info.settings["cache_config.block_size"] and "cache_config.cache_dtype" in info.settings
+        )
+        left_out = {"engine", "num_gpu_blocks", "num_cpu_blocks", "kv_cache_size_tokens"}
+        assert not {f"cache_config.{k}" for k in left_out} & info.settings.keys(), info.settings
         got = be.generate(req)
         chunks = list(be.stream(req))
         assert be.health().state == "up"

@@ -18,7 +18,7 @@ from kdctl.backends._types import (
     TokenLogprob,
     count,
 )
-from kdctl.backends.errors import BackendError, BackendProtocolError
+from kdctl.backends.errors import BackendAuthError, BackendError, BackendProtocolError
 
 
 class ChatResult(BaseModel):
@@ -90,11 +90,13 @@ class OpenAIBackend(HttpBackend):
     def _cache_settings(self) -> dict[str, Any] | None:
         """vLLM's cache configuration, the part of how it was started that its API reports
         (the labels of its `vllm:cache_config_info` gauge: block size, KV cache dtype, prefix
-        caching, memory fraction, ...); None for an engine that exports none. Its TP size and
-        drafting configuration it does not report."""
+        caching, memory fraction, ...); None for an engine that exports none or keeps its metrics
+        behind a key kdctl does not hold. Its TP size and drafting configuration it does not
+        report. A failure to read them otherwise is the engine's answer, not "none": settings
+        read as missing would make every result look measured under others."""
         try:
             family = self.metrics().get("vllm:cache_config_info")
-        except BackendError:
+        except BackendAuthError:
             return None
         if family is None or not family.samples:
             return None

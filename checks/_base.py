@@ -276,7 +276,9 @@ def measured_otherwise(
     """Why `result` does not stand for its gate as the gate would run now under `inv`: other
     settings, or another workload under the same settings; None where it does. Freshness says
     whether the engine is the one measured; this, whether the measurement is the one asked."""
-    changed = _settings_changed(gate_settings(inv, result.gate), result.settings)
+    field = gate_class(result.gate).settings_field
+    named = field is not None and isinstance(getattr(inv.spec.gates, field), dict)
+    changed = _settings_changed(gate_settings(inv, result.gate), result.settings, named=named)
     if changed:
         return (
             f"measured under other {result.gate} settings ({', '.join(changed)} differ from "
@@ -310,12 +312,13 @@ def workload_changed(
     )
 
 
-def _settings_changed(now: dict[str, Any], had: dict[str, Any], at: str = "") -> list[str]:
+def _settings_changed(
+    now: dict[str, Any], had: dict[str, Any], at: str = "", *, named: bool = False
+) -> list[str]:
     """The settings, dotted, whose value now differs from the one a result ran with. Settings
     chosen by name (commands) are compared by the names both hold: a command added since
     changes none of the others."""
-    named = bool(now) and all(isinstance(v, dict) for v in now.values()) and at == ""
-    keys = now.keys() & had.keys() if named and had else now.keys()
+    keys = now.keys() & had.keys() if named else now.keys()
     out = []
     for k in sorted(keys):
         a, b = now.get(k), had.get(k)

@@ -20,7 +20,7 @@ from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.backends.health import bearer
 from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.errors import InputError, KdctlError
-from kdctl.records import Baseline, GateResult, Metric, content_hash, utcnow
+from kdctl.records import Baseline, GateResult, Metric, Verdict, content_hash, utcnow
 
 MODEL = "{model}"  # replaced by each engine's own served model name
 
@@ -302,16 +302,22 @@ class ApiConformanceGate(Gate):
         ]
         reasons = [f"{len(held) - len(found)}/{len(held)} probes answered as {source}"]
         reasons += [f"{name}: {'; '.join(d[:4])}" for name, d in found.items()]
+        verdict: Verdict | None = None
         if unanswered:
             reasons.append(
                 f"{len(unanswered)} of {len(want)} probes not compared: {baseline} did not "
                 f"answer them ({_first_error(want, unanswered)})"
             )
+            # The API is conformant only as far as it was compared: a pass of the few probes
+            # the baseline answered says nothing of the routes it did not.
+            if not found:
+                verdict = "inconclusive"
         return self.result(
             ctx,
             backend,
             started=started,
             baseline=baseline,
+            verdict=verdict,
             metrics=metrics,
             reasons=reasons,
             info=info,

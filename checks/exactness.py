@@ -33,6 +33,8 @@ def load_corpus(path: Path) -> list[dict[str, Any]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise InputError(f"{path}: cannot read the corpus: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text (byte {exc.start}): not a JSONL corpus") from None
     items = []
     for no, line in enumerate(lines, 1):
         if not line.strip():

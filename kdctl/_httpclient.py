@@ -3,12 +3,14 @@
 SGLang and vLLM serve through uvicorn, which closes a connection idle for 5 s
 (SGLANG_TIMEOUT_KEEP_ALIVE, VLLM_HTTP_TIMEOUT_KEEP_ALIVE); httpx keeps an idle connection for
 5 s as well. A request sent on a pooled connection at about its fifth idle second meets the
-server's close and fails with "Server disconnected without sending a response" (or a reset):
-a probe polling every few seconds on a loaded machine meets it, and would report a healthy
-engine as failing. So connections are kept idle for less than any of those servers keeps them,
-and a request the server dropped before answering anything is sent once more, on a new
-connection, as browsers and urllib3 do: the server never took it, so nothing is measured twice.
-A second drop is the engine's answer and is reported.
+server's close and fails with "Server disconnected without sending a response" (or a reset): a
+probe polling every few seconds on a loaded machine meets it, and would report a healthy
+engine as failing. So connections are kept idle for less than those servers keep them, and a
+request the server dropped before answering anything is sent once more: any read (GET, HEAD)
+dropped or reset, a generation only where the server closed without a byte of answer. A second
+drop is the engine's answer and is reported. The load generator and a router's worker API
+never resend: a load counts every drop a client would meet, and a worker added or removed
+twice is not the same as once.
 """
 
 from __future__ import annotations
@@ -21,34 +23,24 @@ import httpx
 KEEPALIVE_EXPIRY_S = 2.0
 
 
-def _dropped(request: httpx.Request, exc: httpx.TransportError) -> bool:
-    """The server closed the connection before a byte of its answer, and the request's body
-    can be sent again (kdctl's JSON bodies are bytes; a streamed upload is not replayable)."""
+def _dropped(request: httpx.Request, exc: Exception) -> bool:
+    """Whether the server closed the connection before a byte of its answer, where sending
+    the request again cannot do twice what was asked (its body is bytes kdctl holds)."""
     if not isinstance(request.stream, httpx.ByteStream):
         return False
     if isinstance(exc, httpx.RemoteProtocolError):
         return "without sending a response" in str(exc)
-    return isinstance(exc, httpx.ReadError | httpx.WriteError)
+    return isinstance(exc, httpx.ReadError | httpx.WriteError) and request.method in ("GET", "HEAD")
 
 
-class ResendingTransport(httpx.HTTPTransport):
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
+class _Resending(httpx.Client):
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
         try:
-            return super().handle_request(request)
+            return super().send(request, **kwargs)
         except httpx.TransportError as exc:
             if not _dropped(request, exc):
                 raise
-        return super().handle_request(request)
-
-
-class AsyncResendingTransport(httpx.AsyncHTTPTransport):
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            return await super().handle_async_request(request)
-        except httpx.TransportError as exc:
-            if not _dropped(request, exc):
-                raise
-        return await super().handle_async_request(request)
+        return super().send(request, **kwargs)
 
 
 def _limits(connections: int | None) -> httpx.Limits:
@@ -63,12 +55,15 @@ def _limits(connections: int | None) -> httpx.Limits:
     )
 
 
-def http_client(*, connections: int | None = None, **kwargs: Any) -> httpx.Client:
-    """An httpx.Client (its other arguments as httpx takes them) on the resending transport."""
-    return httpx.Client(transport=ResendingTransport(limits=_limits(connections)), **kwargs)
+def http_client(*, resend: bool = True, **kwargs: Any) -> httpx.Client:
+    """An httpx.Client (its arguments as httpx takes them, proxies from the environment
+    included) keeping idle connections below the engines' keep-alive; with `resend`, a request
+    dropped unanswered is sent once more."""
+    cls = _Resending if resend else httpx.Client
+    return cls(limits=_limits(None), **kwargs)
 
 
-def async_http_client(*, connections: int | None = None, **kwargs: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        transport=AsyncResendingTransport(limits=_limits(connections)), **kwargs
-    )
+def async_http_client(*, connections: int, **kwargs: Any) -> httpx.AsyncClient:
+    """The load generator's client: idle connections below the engines' keep-alive, and no
+    resend, so that a run counts every drop a client would meet."""
+    return httpx.AsyncClient(limits=_limits(connections), **kwargs)

@@ -188,12 +188,12 @@ class Answers(BaseModel):
             cut = "Cut over now: unknown (no roadmap selected)"
         elif c.can_cut_over:
             cut = f"Cut over to {c.candidate} now: yes (every prerequisite of {c.target} is met)"
-            if c.held:
-                cut += f"; {c.held}"
         else:
             shown = "; ".join(c.blocking[:6]) + (" ..." if len(c.blocking) > 6 else "")
             soon = f"; soon: {c.soon.detail}" if c.soon else ""
             cut = f"Cut over to {c.candidate} now: no{soon}; blocked by {shown}"
+        if c.held:
+            cut += f"; {c.held}"
         lines = [serving, remaining, cut]
         if self.regressions:
             lines.append("Regressions: " + "; ".join(self.regressions))
@@ -298,7 +298,7 @@ def _assess(
                 "evidence is held to what its host shows and the inventory declares; the swap "
                 "judges it again once it answers, before traffic reopens"
             )
-            report = report.model_copy(update={"notes": [*report.notes, held]})
+            # Said once, in answer 3 (`held`), which every output carries.
         elif not cand.live:
             blocking.append(f"{report.candidate} is not answering: {cand.note}")
             # phases --json and every report carry the same verdict as answer 3.
@@ -391,6 +391,15 @@ def _serving(
         # the engine that carries most of the traffic is the one whose speed is served.
         who = max(weights, key=lambda n: weights[n])
         answer.speed_of, answer.speed_share = who, weights[who]
+        heavy = next((e for e in probe.engines if e.name == who), None)
+        if heavy is None or not heavy.serves:
+            # The router retries a dead upstream on the other: its weight is not its share.
+            answer.speed_optimized = "unmeasured"
+            answer.speed = (
+                f"unmeasured ({who}, {weights[who]}% of the traffic by the router's weights, "
+                "does not generate: which engine serves the traffic is not known)"
+            )
+            return answer
     if who is None:
         answer.speed_optimized = "unmeasured"
         answer.speed = "unmeasured (which engine answered is not known)"
@@ -418,7 +427,15 @@ def _serving(
     ago = f"measured {age_text(timedelta(seconds=status.age_s))} ago" if status.age_s else ""
     needs = f"needs {status.threshold}"
     where = f"on {criterion.name}'s workload{_drafting(store, status.evidence_id)}"
-    if status.state == "pass":
+    if status.state == "pass" and status.identity != "live":
+        # Its evidence holds only against what the inventory declares: the engine did not
+        # say what it runs, so what serves is not shown to be what was measured.
+        answer.speed_optimized = "unmeasured"
+        answer.speed = (
+            f"{measured} {where} ({needs}; {ago}), held to the inventory: {who} did not say "
+            "what it runs"
+        )
+    elif status.state == "pass":
         answer.speed_optimized = "yes"
         answer.speed = f"{measured} {where} ({needs}; {ago})"
     elif status.state == "fail":

@@ -168,9 +168,11 @@ def probe_serving(
         names = list(weighted) + [n for n, b in inv.backends.items() if b.url and n not in weighted]
         engines = ask_all({n: weighted.get(n, 0) for n in names})
         # Workers the router lists by an address no backend has: what they serve is unknown.
-        strangers = sorted(n for n, w in routed.weights.items() if w > 0 and n not in weighted)
+        unknown_workers = sorted(
+            n for n, w in routed.weights.items() if w > 0 and n not in weighted
+        )
         front = _ask_front(
-            inv, client, router_front, spec.kind, weighted, engines, timeout_s, strangers
+            inv, client, router_front, spec.kind, weighted, engines, timeout_s, unknown_workers
         )
     return _judge(inv, spec.kind, spec.listen, spec.host, routed, front, engines)
 
@@ -243,11 +245,11 @@ def _ask_front(
     weighted: Mapping[str, int],
     engines: list[EngineAnswer],
     timeout_s: float,
-    strangers: Sequence[str] = (),
+    unknown_workers: Sequence[str] = (),
 ) -> FrontAnswer:
     """A one-token generation through the front, spoken in the protocol of the backend the
     router weights most; the health route where generation is refused (no key, no route).
-    `strangers` are workers the router lists that no backend of the inventory is."""
+    `unknown_workers`: those the router lists that no backend of the inventory is."""
     last: dict[str, httpx.Response] = {}
 
     def keep(resp: httpx.Response) -> None:
@@ -282,7 +284,7 @@ def _ask_front(
             return FrontAnswer(url=url, answered=None, detail=f"cannot probe the front: {exc}")
     latency = round((time.monotonic() - started) * 1000, 1)
     resp = last.get("resp")
-    who = _answering_backend(inv, resp, kind, engines, strangers)
+    who = _answering_backend(inv, resp, kind, engines, unknown_workers)
     code = resp.status_code if resp is not None else None
     if error is None:
         return FrontAnswer(
@@ -335,7 +337,7 @@ def _answering_backend(
     resp: httpx.Response | None,
     kind: str,
     engines: list[EngineAnswer],
-    strangers: Sequence[str] = (),
+    unknown_workers: Sequence[str] = (),
 ) -> str | None:
     if resp is None:
         return None
@@ -349,7 +351,7 @@ def _answering_backend(
     # SGLang's router names no backend per answer: the one listed worker that answers
     # directly, when there is exactly one and the router lists no worker unknown here.
     up = [e.name for e in engines if e.weight > 0 and e.serves]
-    return up[0] if len(up) == 1 and not strangers else None
+    return up[0] if len(up) == 1 and not unknown_workers else None
 
 
 def _backend_at(inv: LoadedInventory, address: str) -> str | None:
@@ -434,13 +436,15 @@ def _judge(
             "rollback undoes it)",
         )
     notes += [f"{e.name} is up and receives no traffic" for e in idle_up]
-    strangers = sorted(n for n, w in routed.weights.items() if w > 0 and n not in inv.backends)
-    if strangers:
+    unknown_workers = sorted(
+        n for n, w in routed.weights.items() if w > 0 and n not in inv.backends
+    )
+    if unknown_workers:
         # Whatever they serve takes its share of the traffic, unseen by the inventory.
         notes.insert(
             0,
-            f"the router also sends traffic to {', '.join(strangers)}, which no backend in the "
-            "inventory is: which engine answers a request is not known",
+            f"the router also sends traffic to {', '.join(unknown_workers)}, which no backend in "
+            "the inventory is: which engine answers a request is not known",
         )
     if len(weighted) > 1 and routed.applied is not False:
         # One request lands on one of them: which one answered says nothing of the rest.

@@ -145,7 +145,7 @@ def _identify(
         return None
     status.identity = "live"
     status.model = info.model or status.model
-    status.model_reported = info.model is not None
+    status.model_reported = bool(info.model)
     status.served_name = info.served_name
     status.version = info.version
     status.context_length = info.context_length

@@ -120,3 +120,50 @@ def test_shapes_compare_keys_types_and_framing() -> None:
         },
     )
     assert found == {"s": ["the stream does not end with data: [DONE]"]}
+
+
+def test_a_pass_of_the_few_probes_the_baseline_answered_is_inconclusive(
+    reference_server: Served, twin_server: Served, tmp_path: Path
+) -> None:
+    """The baseline answers its read routes (forwarded to a real engine) and drops every
+    generation unanswered: the candidate matches it on those, but generation, completions and
+    streams were never compared, so the API is not called conformant."""
+    import httpx
+
+    from tests.support.faulty import Quiet, serve
+
+    class ReadsOnly(Quiet):
+        def do_GET(self) -> None:
+            got = httpx.get(reference_server.url + self.path, timeout=30)
+            self.send_response(got.status_code)
+            if "content-type" in got.headers:
+                self.send_header("Content-Type", got.headers["content-type"])
+            self.send_header("Content-Length", str(len(got.content)))
+            self.end_headers()
+            self.wfile.write(got.content)
+
+        def do_POST(self) -> None:
+            self.close_connection = True  # read, never answered
+
+    server = serve(ReadsOnly)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        inv = write_inventory(
+            tmp_path / "inv.yaml",
+            {
+                "hosts": {"local": {"transport": "local"}},
+                "backends": engine_pair(url, twin_server.url),
+                "state_dir": "state",
+            },
+        )
+        args = ("api-conformance", "-b", "candidate", "--baseline", "baseline", "-i", str(inv))
+        run = kdctl("gate", "run", *args, "--json")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run.code == 1, run.out + run.err
+    (result,) = json.loads(run.out)["results"]
+    assert result["verdict"] == "inconclusive", result["reasons"]
+    held = result["reasons"][0]
+    assert held.endswith("probes answered as baseline's live answers") and held[0] != "0", held
+    assert any("probes not compared: baseline did not answer them" in r for r in result["reasons"])

@@ -587,3 +587,49 @@ def test_candidate_wedged_or_down_blocks_the_cutover_in_every_answer(
     status = kdctl("status", "-i", str(front.inv), "--json", "--timeout", "2")
     blocking = json.loads(status.out)["answers"]["cutover"]["blocking"]
     assert any("candidate is not answering" in b for b in blocking), blocking
+
+
+def test_a_split_whose_heavier_engine_has_died_judges_no_speed(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> None:
+    """75% of the traffic by weight to a candidate with passing speed evidence, which then
+    dies: nginx retries its requests on the baseline, so the weight is not its share, and
+    line 1 does not call what serves speed-optimized."""
+    proxy_port, proxy_root = free_port(), tmp_path / "candidate"
+    upstream = twin_server.url.removeprefix("http://")
+    pidfile = start_nginx(
+        proxy_root,
+        f"  server {{ listen 127.0.0.1:{proxy_port};\n"
+        f"    location / {{ proxy_pass http://{upstream}; }} }}\n",
+        [proxy_port],
+    )
+    urls = {"baseline": reference_server.url, "candidate": f"http://127.0.0.1:{proxy_port}"}
+    (tmp_path / "front").mkdir()
+    front = Front(tmp_path / "front", need_nginx, urls)
+    inv = str(front.inv)
+    front.start({"baseline": 25, "candidate": 75})
+    try:
+        recorded = kdctl("baseline", "record", "-b", "baseline", "--only", "throughput", "-i", inv)
+        assert recorded.code == 0, recorded.err
+        run = kdctl(
+            "gate", "run", "throughput", "-b", "candidate", "--baseline", "baseline", "-i", inv
+        )
+        assert run.code == 0, run.out + run.err
+
+        def serving() -> dict[str, Any]:
+            status = kdctl("status", "-i", inv, "--json", "--timeout", "2")
+            return json.loads(status.out)["answers"]["serving"]  # type: ignore[no-any-return]
+
+        alive = serving()
+        stop_nginx(pidfile)
+        s = serving()
+    finally:
+        stop_nginx(pidfile)
+        front.stop()
+    assert alive["speed_optimized"] == "yes", alive
+    assert (s["speed_of"], s["speed_share"], s["speed_optimized"]) == (
+        "candidate",
+        75,
+        "unmeasured",
+    ), s
+    assert "candidate, 75% of the traffic by the router's weights, does not generate" in s["speed"]

@@ -155,9 +155,8 @@ def test_swap_on_shared_gpus_stops_the_old_engine_first(
         blocking = phased["answers"]["cutover"]["blocking"]
         assert not any("is not answering" in b for b in blocking), blocking
         assert any("exactness" in b for b in blocking), blocking
-        assert any(
-            "candidate-int4 is stopped: it shares GPUs with baseline" in n for n in phased["notes"]
-        )
+        held = phased["answers"]["cutover"]["held"]
+        assert "candidate-int4 is stopped: it shares GPUs with baseline" in held, held
         forced = ("--force", "--yes", "-i", inv)
         bad = kdctl("cutover", "--to", "candidate-int4", *forced, "--json", timeout=600)
         assert bad.code == 1, bad.out + bad.err

@@ -95,7 +95,9 @@ def cutover(
             )
             if blocking:
                 journal.step(cid, -1, "force", {"unmet": blocking}, "done", "forced past preflight")
-            runner = Runner(inv, router, journal, store, s, on_step=on_step, forced=bool(blocking))
+            runner = Runner(
+                inv, router, journal, store, s, on_step=on_step, forced=force or bool(blocking)
+            )
             return runner.run(cid, plan)
 
 
@@ -201,7 +203,7 @@ def _resume(
                 record.id, -1, "force", {"unmet": blocking}, "done", "forced past preflight"
             )
         runner = Runner(
-            inv, router, journal, store, session, on_step=on_step, forced=bool(blocking)
+            inv, router, journal, store, session, on_step=on_step, forced=force or bool(blocking)
         )
         return runner.run(record.id, plan, skip=record.done_steps)
 

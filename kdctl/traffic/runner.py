@@ -305,7 +305,6 @@ class Runner:
             # Stopped at the preflight, the engine was held to what its host shows and the
             # inventory declares; now it answers, the evidence that cleared it must describe
             # the engine that started (its build, its settings), not the one measured before.
-            self.session.forget(name)
             unmet = preflight(self.inv, self.store, name, session=self.session)
             if unmet:
                 raise AnalysisFailed(

@@ -11,10 +11,12 @@ from typing import Any, ClassVar
 from urllib.parse import quote
 
 import httpx
+from pydantic import SecretStr
 
 from kdctl._httpclient import http_client
 from kdctl.backends import GenerateRequest, bearer, make_backend
-from kdctl.backends.errors import BackendError
+from kdctl.backends.errors import BackendAuthError, BackendError, BackendHTTPError
+from kdctl.inventory import BackendSpec
 from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
 
 
@@ -57,6 +59,7 @@ class SGLangRouter(Router):
     def _client(self) -> httpx.Client:
         # The router's own key, where it requires one, on its worker API as on its front.
         return http_client(
+            resend=False,
             base_url=self.front_url,
             timeout=self.call_timeout_s,
             headers=bearer(self.inv.router_api_key()),
@@ -112,6 +115,9 @@ class SGLangRouter(Router):
             raise RouterError(f"sglang-router has no weights: it cannot split traffic {weights}")
         (target,) = wanted
         url = (self.inv.backends[target].url or "").rstrip("/")
+        # Before anything changes: an engine that does not generate is not given traffic, and
+        # the router keeps serving what it served.
+        self._generates(target, self.inv.backends[target], self.inv.api_key(target), "directly")
         with self._client() as client:
             present = {w["url"].rstrip("/"): w for w in self._workers(client)}
             if url not in present:
@@ -149,19 +155,37 @@ class SGLangRouter(Router):
         state = super().confirm(weights)
         (target,) = state.serving
         spec = self.inv.backends[target].model_copy(update={"url": self.front_url})
-        key = self.inv.router_api_key()
-        deadline_s = self.confirm_s if deadline_s is None else deadline_s
-        deadline = time.monotonic() + deadline_s
+        # What a client sends through it: the router's own key, else the engine's.
+        key = self.inv.router_api_key() or self.inv.api_key(target)
+        self._generates(target, spec, key, "through it", deadline_s)
+        return state
+
+    def _generates(
+        self,
+        target: str,
+        spec: BackendSpec,
+        key: SecretStr | None,
+        how: str,
+        deadline_s: float | None = None,
+    ) -> None:
+        """A one-token generation from `target` at `spec.url`, tried until the deadline; a
+        refusal that trying again cannot change (a key, a bad request) ends it at once."""
+        limit = self.confirm_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + limit
         while True:
+            left = max(deadline - time.monotonic(), 0.5)
             try:
-                with make_backend(target, spec, api_key=key, timeout=self.call_timeout_s) as be:
+                with make_backend(target, spec, api_key=key, timeout=left) as be:
                     be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1))
-                return state
+                return
             except BackendError as exc:
-                if time.monotonic() > deadline:
+                final = isinstance(exc, BackendAuthError) or (
+                    isinstance(exc, BackendHTTPError) and 400 <= exc.status < 500
+                )
+                if final or time.monotonic() >= deadline:
                     raise RouterError(
-                        f"sglang-router at {self.front_url} lists {target}, but no generation "
-                        f"through it succeeded within {deadline_s:g}s: {exc}"
+                        f"sglang-router at {self.front_url}: no generation from {target} {how} "
+                        f"succeeded within {limit:g}s: {exc}"
                     ) from None
             time.sleep(0.2)
 

@@ -33,9 +33,14 @@ def main() -> None:
         pid = int(reader.readline())
     except (OSError, ValueError):
         os.execv(sys.executable, [sys.executable, "-m", "kdctl", *args])
-    pidfd = os.pidfd_open(pid)
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:  # already ended and reaped: its exit line is on its way
+        pidfd = None
 
     def forward(sig: int, _frame: object) -> None:
+        if pidfd is None:
+            return
         try:
             signal.pidfd_send_signal(pidfd, sig)
         except ProcessLookupError:
@@ -47,7 +52,8 @@ def main() -> None:
     if len(words) == 2 and words[0] == "exit":
         code = int(words[1])
     else:  # the server is gone: wait for the fork itself; its code is not known
-        select.select([pidfd], [], [])
+        if pidfd is not None:
+            select.select([pidfd], [], [])
         code = 1
     if code < 0:  # killed by a signal: end the same way
         signal.signal(-code, signal.SIG_DFL)

@@ -289,7 +289,17 @@ def _assess(
             and inv.backends[serving_now].shares_gpus_with(inv.backends[report.candidate])
             and identify({serving_now})[serving_now].live
         )
-        if not cand.live and swapped:
+        spec = inv.backends[report.candidate]
+        unread = not cand.live and swapped and session.binder.host_id(spec.host) is None
+        if unread:
+            # Held to its host, which did not answer: nothing ties its evidence to the machine
+            # and checkpoint there, so it stands on the inventory's word alone.
+            blocking.append(
+                f"{report.candidate} is stopped and its host {spec.host} could not be read "
+                "(its identity and checkpoint): its evidence cannot be held to anything measured"
+            )
+            report = report.model_copy(update={"target_reachable": False})
+        elif not cand.live and swapped:
             # It cannot run while the engine it replaces holds its GPUs: a cutover is a swap,
             # whose smoke gate judges it live before traffic reopens. Its criteria stand, held
             # to what its host shows and the inventory declares, and it is said so.

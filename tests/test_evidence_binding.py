@@ -249,3 +249,43 @@ def test_prompts_edited_in_place_or_settings_changed_leave_old_results_standing_
     (latest,) = [v for v in status["gates"] if v["gate"] == "exactness"]
     assert latest["fresh"] is False, latest
     assert "measured under other exactness settings (max_new_tokens differ" in latest["freshness"]
+
+
+def test_a_stopped_swap_candidate_on_a_host_that_cannot_be_read_is_not_cleared(
+    tmp_path: Path, reference_server: Served
+) -> None:
+    """The candidate shares the serving engine's GPUs and is stopped, so its evidence would be
+    held to what its host shows; the host does not answer (SSH refused), so nothing is held:
+    answer 3 says no, naming the host."""
+    from tests.support.sshd import free_port
+
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    backends = engine_pair(reference_server.url, f"http://127.0.0.1:{free_port()}")
+    for entry in backends.values():
+        entry.update(host="box", gpus=[0])
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {
+                "box": {
+                    "address": "127.0.0.1",
+                    "port": free_port(),
+                    "user": "ops",
+                    "identity_file": "home/.ssh/id_ed25519",
+                    "known_hosts": "home/.ssh/known_hosts",
+                }
+            },
+            "backends": backends,
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    for name in ("id_ed25519", "known_hosts"):
+        (tmp_path / "home" / ".ssh").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "home" / ".ssh" / name).touch()
+    phases = kdctl("phases", "-i", str(inv), "--json")
+    answer = json.loads(phases.out)["answers"]["cutover"]
+    assert answer["can_cut_over"] is False and answer["held"] is None, answer
+    assert any(
+        "candidate is stopped and its host box could not be read" in b for b in answer["blocking"]
+    ), answer

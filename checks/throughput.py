@@ -328,6 +328,7 @@ class ThroughputGate(Gate):
                         "as gates.throughput.baseline_run asks"
                         if settings.baseline_run == "interleaved"
                         else "as no recorded run of this workload matches what it serves now"
+                        + (f" ({ctx.passed_over[baseline]})" if baseline in ctx.passed_over else "")
                     )
                     source = (
                         f"{baseline} measured now, taking turns with {backend} run by run, {why}"

@@ -11,6 +11,7 @@ from kdctl.checks import (
     GateContext,
     GateResult,
     ProgressHook,
+    freshness_window,
     gate_class,
     gate_settings,
     gates,
@@ -21,6 +22,7 @@ from kdctl.checks.exactness import record_golden
 from kdctl.checks.signoff import sign_off
 from kdctl.checks.throughput import record_throughput
 from kdctl.evidence import EvidenceStore
+from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.session import Session, check_names, using
 
@@ -50,6 +52,24 @@ def gate_context(
             # freshness to hold against what is deployed.
             fields = None if now.live else ("weights", "host_id")
             gaps = [b.provenance.differs_from(now.provenance, fields) for b in found]
+            if kind == "throughput":
+                # A speed is the machine's as much as the build's (drivers, clocks, firmware,
+                # none of which the identity holds): a run is a denominator only as long as
+                # the gate's own results count.
+                window = freshness_window(inv, "throughput")
+                at = utcnow()
+                gaps = [
+                    gap
+                    or (
+                        [
+                            f"recorded {age_text(at - b.created_at)} ago, past the throughput "
+                            f"window of {age_text(window)}"
+                        ]
+                        if at - b.created_at > window
+                        else []
+                    )
+                    for b, gap in zip(found, gaps, strict=True)
+                ]
             chosen = next((b for b, gap in zip(found, gaps, strict=True) if not gap), None)
             if chosen is None:
                 ctx.passed_over[name] = (

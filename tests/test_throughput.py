@@ -477,3 +477,22 @@ def test_figures_count_the_tokens_delivered_and_a_short_run_is_not_judged(
         for server in (over, short):
             server.shutdown()
             server.server_close()
+
+
+def test_a_run_recorded_before_the_throughput_window_is_not_the_baseline_now(
+    inventory: Any,
+) -> None:
+    """The same build, checkpoint and host, but a run older than the throughput gate's own
+    window: a speed is the machine's too (drivers, clocks), so the baseline is measured now."""
+    import yaml
+
+    inv = inventory(min_ratio=0.05)
+    rec = kdctl("baseline", "record", "-b", "baseline", "--only", "throughput", "-i", str(inv))
+    assert rec.code == 0, rec.err
+    data = yaml.safe_load(inv.read_text())
+    data["gates"]["freshness"] = {"throughput": "1s"}
+    write_inventory(inv, data)
+    time.sleep(1.5)
+    _, result = gate(inv, "candidate", "--baseline", "baseline")
+    assert "baseline measured now" in result["reasons"][0], result["reasons"]
+    assert "past the throughput window of 1s" in " ".join(result["reasons"]), result["reasons"]

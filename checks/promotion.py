@@ -65,15 +65,27 @@ def promotion_result(
             comparison="==" if sent else None,
         ),
     ]
+    if watches:
+        # The probes went through the front to either engine: how many the new one served,
+        # by its own counter, is what the watch measured of it (None where it gave none).
+        served = [w.get("engine_requests") for w in watches]
+        known = all(isinstance(n, int | float) for n in served)
+        metrics.append(
+            Metric(
+                name="engine_requests",
+                value=sum(n for n in served if isinstance(n, int | float)) if known else None,
+            )
+        )
     if downtime_s is not None:
         metrics.append(Metric(name="downtime_s", value=downtime_s, unit="s"))
+    notes = [str(w["engine_note"]) for w in watches if w.get("engine_note")]
     return GateResult(
         gate=PromotionGate.name,
         backend=backend,
         baseline=from_backend,
         verdict=verdict,
         metrics=metrics,
-        reasons=[reason],
+        reasons=[reason, *dict.fromkeys(notes)],
         provenance=provenance_for(inv, backend, None, None),
         details={"cutover": cutover, "from": from_backend, "strategy": strategy},
         started_at=started_at,

@@ -269,6 +269,7 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
     assert promoted["probe_requests"] == sum(w["sent"] for w in outcome["watches"]) > 0
     # The candidate's own counters saw the canary's share of the traffic.
     assert all(w["engine_requests"] > 0 for w in outcome["watches"]), outcome["watches"]
+    assert promoted["engine_requests"] == sum(w["engine_requests"] for w in outcome["watches"])
     assert all(w["engine_ttft_p99_ms"] > 0 for w in outcome["watches"])
     assert load.sent > 30 and not load.failures, load.failures[:5]
     assert load.served_by.get("baseline") and load.served_by.get("candidate")

@@ -146,3 +146,22 @@ def test_a_cutover_that_sent_no_probe_claims_no_probe_held(tmp_path: Path) -> No
     assert blue_green["weight"].passed is True
     canary = promoted([{"sent": 40, "failed": 0}, {"sent": 38, "failed": 0}])
     assert canary["probe_requests"].value == 78 and canary["probe_failed"].passed is True
+    # Without the candidate's own counter, how many probes it served is not known.
+    assert canary["engine_requests"].value is None
+
+    # Every probe answered by the baseline: the record says the candidate served none.
+    none_served = "candidate served no request in the window (its own counter)"
+    result = promotion_result(
+        inv,
+        "candidate",
+        verdict="pass",
+        reason="all traffic moved to candidate",
+        cutover="c1",
+        from_backend="baseline",
+        strategy="canary",
+        weights={"baseline": 0, "candidate": 100},
+        started_at=utcnow(),
+        watches=[{"sent": 8, "failed": 0, "engine_requests": 0, "engine_note": none_served}],
+    )
+    metrics = {m.name: m.value for m in result.metrics}
+    assert metrics["engine_requests"] == 0 and none_served in result.reasons

@@ -38,6 +38,9 @@ class TrendPoint(BaseModel):
     engine_version: str | None = None
     model: str | None = None
     host: str | None = None
+    # The machine itself (its id and GPU serials), where the result was bound to it: a box
+    # replaced under the same inventory name is another machine.
+    host_id: str | None = None
     evidence_id: str
 
 
@@ -109,6 +112,7 @@ def trend_of(
             engine_version=r.provenance.engine_version,
             model=r.provenance.model_path,
             host=r.provenance.host,
+            host_id=r.provenance.host_id,
             evidence_id=r.id,
         )
         for r in reversed(history)
@@ -118,7 +122,7 @@ def trend_of(
     # One series is one host: a point measured on other hardware says nothing of where this
     # one is heading (builds and checkpoints do change along it: that is what is forecast).
     newest = points[-1] if points else None
-    series = [p for p in points if newest and p.host == newest.host]
+    series = [p for p in points if newest and (p.host, p.host_id) == (newest.host, newest.host_id)]
     recent = series[-RECENT:]
     if len(recent) < MIN_POINTS:
         return Trend(

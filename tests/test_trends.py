@@ -279,3 +279,31 @@ def test_a_met_criterion_shows_its_trend_without_a_date(tmp_path: Path) -> None:
     t = c["trend"]
     assert (t["direction"], t["eta"], t["points"]) == ("toward", None, 4)
     assert t["reason"].startswith("met; toward")
+
+
+def test_a_box_replaced_under_the_same_name_starts_a_new_series() -> None:
+    """Three results rising on one machine, then one on another machine that the inventory
+    still calls `local`: the newest machine has one point, too few to forecast from."""
+    from kdctl.records import GateResult, Metric, Provenance
+    from kdctl.roadmap._trend import load_theilslopes, trend_of
+
+    now = datetime.now(timezone.utc)
+
+    def result(days_ago: float, ratio: float, machine: str) -> GateResult:
+        ended = now - timedelta(days=days_ago)
+        return GateResult(
+            gate="throughput",
+            backend="candidate",
+            verdict="pass" if ratio >= 1.0 else "fail",
+            metrics=[Metric(name="c8.ratio", value=ratio, threshold=1.0, comparison=">=")],
+            provenance=Provenance(host="local", host_id=machine),
+            started_at=ended,
+            ended_at=ended,
+        )
+
+    history = [result(1, 0.98, "box-b")] + [
+        result(d, r, "box-a") for d, r in ((10, 0.95), (20, 0.9), (30, 0.85))
+    ]
+    trend = trend_of(history, "*.ratio", ">=", 1.0, met=False, now=now, load=load_theilslopes)
+    assert trend.direction == "too few points" and trend.eta is None, trend
+    assert len(trend.history) == 4  # all drawn, one series fitted

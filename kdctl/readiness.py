@@ -106,6 +106,7 @@ def latest_verdicts(
     known = identities or {}
     found = []
     memo: Workloads = {}
+    asked = _asked_settings(inv)
     for backend in inv.backends:
         for gate in sorted(gates()):
             r = store.latest(gate, backend)
@@ -133,12 +134,35 @@ def latest_verdicts(
                     live=ident.live,
                 )
                 verdict.fresh, verdict.freshness = f.fresh, f.reason
-            other = measured_otherwise(inv, r, memo)
+            # The settings it may have run under: the inventory's, or a roadmap criterion's own
+            # (`phases --run` runs each criterion's gate under its settings).
+            ways = [inv, *asked.get((gate, backend), [])]
+            verdicts = [measured_otherwise(way, r, memo) for way in ways]
+            other = None if None in verdicts else verdicts[0]
             if other is not None and verdict.fresh is not False:
                 # Whoever the engine is, this is not the measurement the inventory asks for now.
                 verdict.fresh, verdict.freshness = False, f"stale: {other}"
             found.append(verdict)
     return found
+
+
+def _asked_settings(inv: LoadedInventory) -> dict[tuple[str, str], list[LoadedInventory]]:
+    """The inventory under each roadmap criterion's own gate settings, by (gate, backend); none
+    where no roadmap is selected or it cannot be read (phases says why)."""
+    path = roadmap_path(inv)
+    if path is None:
+        return {}
+    try:
+        loaded = load_roadmap(path, inv)
+    except InputError:
+        return {}
+    asked: dict[tuple[str, str], list[LoadedInventory]] = {}
+    for criteria in loaded.criteria().values():
+        for c in criteria:
+            if c.spec.settings:
+                way = with_settings(inv, c.gate, dict(c.spec.settings))
+                asked.setdefault((c.gate, c.backend), []).append(way)
+    return asked
 
 
 class Soon(BaseModel):

@@ -289,3 +289,28 @@ def test_a_stopped_swap_candidate_on_a_host_that_cannot_be_read_is_not_cleared(
     assert any(
         "candidate is stopped and its host box could not be read" in b for b in answer["blocking"]
     ), answer
+
+
+def test_a_result_run_under_a_criterions_own_settings_holds_in_status(
+    tmp_path: Path, reference_server: Served, twin_server: Served
+) -> None:
+    """`phases --run` runs exactness under the criterion's `mode: strict`, not the inventory's
+    mode: status's latest verdict is that measurement, and it holds."""
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(ROADMAP, sort_keys=False))
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": engine_pair(reference_server.url, twin_server.url),
+            "gates": {"exactness": {"max_new_tokens": 4, "top_k": 3, "mode": "logprob-close"}},
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    ran = kdctl("phases", "--run", "--phase=exact", "-i", str(inv), "--json")
+    assert json.loads(ran.out)["phases"][0]["criteria"][0]["state"] == "pass", ran.out + ran.err
+    status = json.loads(kdctl("status", "-i", str(inv), "--json", "--timeout", "5").out)
+    (latest,) = [
+        v for v in status["gates"] if (v["gate"], v["backend"]) == ("exactness", "candidate")
+    ]
+    assert latest["fresh"] is True, latest

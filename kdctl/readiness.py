@@ -363,7 +363,10 @@ def _assess(
 def _remaining(phase: PhaseStatus) -> str:
     if phase.eta is None:
         return f"{phase.id} ({phase.status})"
-    return f"{phase.id} ({phase.status}, forecast {phase.eta:%Y-%m-%d})"
+    # A forecast fitted to results whose dates were set (sandbox history) says so.
+    dated = any(c.trend is not None and c.trend.note for c in phase.criteria)
+    also = ", from results dated back" if dated else ""
+    return f"{phase.id} ({phase.status}, forecast {phase.eta:%Y-%m-%d}{also})"
 
 
 def _soon(report: PhaseReport) -> Soon:
@@ -392,7 +395,8 @@ def _soon(report: PhaseReport) -> Soon:
         eta_range=t.eta_range,
         limited_by=f"{last.phase}/{last.name}",
         detail=f"about {t.eta:%Y-%m-%d}{span} if {last.phase}/{last.name} keeps moving "
-        f"{t.slope_per_day:+.4g}/day ({t.metric} {t.threshold}), the trend holding",
+        f"{t.slope_per_day:+.4g}/day ({t.metric} {t.threshold}), the trend holding"
+        + (f" ({t.note})" if t.note else ""),
     )
 
 

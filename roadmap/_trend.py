@@ -41,6 +41,9 @@ class TrendPoint(BaseModel):
     # The machine itself (its id and GPU serials), where the result was bound to it: a box
     # replaced under the same inventory name is another machine.
     host_id: str | None = None
+    # Days the result was dated back from when it was measured (kdctl sandbox history does, to
+    # show a forecast): its place in time is set, not measured.
+    dated_back_days: float | None = None
     evidence_id: str
 
 
@@ -57,6 +60,8 @@ class Trend(BaseModel):
     history: list[TrendPoint] = []
     # A newest result clearly worse than the trend before it, with the two engine versions.
     regression: str | None = None
+    # Why the pace is not a measured one, where it is not (results dated back).
+    note: str | None = None
 
 
 def _value(metrics: list[Metric], pattern: str, op: str) -> float | None:
@@ -113,6 +118,7 @@ def trend_of(
             model=r.provenance.model_path,
             host=r.provenance.host,
             host_id=r.provenance.host_id,
+            dated_back_days=(r.details.get("history") or {}).get("dated_back_days") or None,
             evidence_id=r.id,
         )
         for r in reversed(history)
@@ -162,6 +168,7 @@ def trend_of(
         direction: Direction = "flat"
     else:
         direction = "toward" if (slope > 0) == rising else "away"
+    dated = [p for p in recent if p.dated_back_days]
     trend = Trend(
         **base,
         direction=direction,
@@ -169,6 +176,12 @@ def trend_of(
         history=points,
         regression=regression,
         reason="",
+        note=(
+            f"{len(dated)} of its {len(recent)} points were dated back by kdctl sandbox "
+            "history: the pace is set, not measured"
+        )
+        if dated
+        else None,
     )
     if met:
         trend.reason = f"met; {direction}, {slope:+.4g}/day"

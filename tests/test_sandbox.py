@@ -186,9 +186,12 @@ def _the_canary_and_its_rollback(out: str, codes: dict[str, int]) -> None:
         words(["decoding", "speculatively", "with", r"[\d.]+", "tokens", "accepted"]), out
     )
     # The promotion the cutover recorded ends the last phase; the rollback's reopens it.
-    # The INT4 phase is left, with the forecast its builds' trend gives (sandbox history).
+    # The INT4 phase is left, with the forecast its builds' trend gives (sandbox history),
+    # saying that the builds' dates were set, not measured.
     assert re.search(
-        r"2\. Phases remaining \(1\): int4 \(remaining, forecast \d{4}-\d\d-\d\d\)", out
+        r"2\. Phases remaining \(1\): int4 \(remaining, forecast \d{4}-\d\d-\d\d, from "
+        r"results dated back\)",
+        out,
     )
     # The row wraps in a terminal table; its cells hold the words.
     assert re.search(r"promotion:candidate │ fail [\s\S]{0,800}?rolled back to", out)

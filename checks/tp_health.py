@@ -322,6 +322,17 @@ class TpHealthGate(Gate):
             transport = ctx.transport(spec.host)
             probe: GpuProbe = probe_gpus(transport)
             details["gpu_probe"] = probe.model_dump(mode="json")
+            if probe.visible and not tp_gpus:
+                # Neither the backend nor its host names GPUs: the rules, topology and engine
+                # memory below cover none of the engine's ranks.
+                reasons.append(
+                    f"no GPUs named for {backend} (backends.{backend}.gpus, or the host's gpus): "
+                    "the GPU rules, topology and engine memory looked at none of its ranks"
+                )
+                # Unmeasured, so never a pass: nothing said these GPUs are the engine's.
+                metrics.append(
+                    Metric(name="gpus_checked", value=None, threshold=1, comparison=">=")
+                )
             if probe.visible:
                 failures += gpu_findings(probe.gpus, tp_gpus)
                 failures += topology_findings(

@@ -416,3 +416,16 @@ def test_the_watchdog_on_the_h200_left_nothing_on_the_gpu() -> None:
     assert any("did not finish within 20s" in r for r in live["reasons"])
     apps = parse_compute_apps((FAULTS / "apps-after-watchdog.csv").read_text())
     assert apps == []
+
+
+def test_gpus_the_inventory_does_not_name_are_not_checked_as_the_engines(tmp_path: Path) -> None:
+    """The host shows GPUs, but neither the backend nor the host names any: the rules looked
+    at none of the engine's ranks, and the gate says so instead of passing on them."""
+    capture = _copy_capture(tmp_path)
+    inv = inventory(tmp_path, tp=1, gpus=0)
+    code, result = tp_health(inv, env=_replay_env(capture))
+    assert code == 1 and result["verdict"] != "pass", result
+    reasons = " | ".join(result["reasons"])
+    assert "no GPUs named for engine (backends.engine.gpus, or the host's gpus)" in reasons
+    metrics = {m["name"]: m for m in result["metrics"]}
+    assert metrics["gpus_checked"]["value"] is None and metrics["gpus_checked"]["threshold"] == 1

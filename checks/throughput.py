@@ -487,8 +487,16 @@ def judge(
         base = base_by.get(p.max_concurrency)
         usable = base is not None and base.output_throughput > 0
         ratio = round(p.output_throughput / base.output_throughput, 4) if base and usable else None
+        # Two runs of different output lengths are not one workload: their ratio is shown,
+        # not judged, either way (see `short`).
+        unequal = bool(p.short_outputs or (base is not None and base.short_outputs))
         metrics.append(
-            Metric(name=f"{c}.ratio", value=ratio, threshold=settings.min_ratio, comparison=">=")
+            Metric(
+                name=f"{c}.ratio",
+                value=ratio,
+                threshold=None if unequal else settings.min_ratio,
+                comparison=None if unequal else ">=",
+            )
         )
         if base is None or not usable:
             why = (
@@ -506,6 +514,9 @@ def judge(
             f"{at}: {p.output_throughput:.1f} tok/s against {base.output_throughput:.1f}, "
             f"ratio {ratio:.3f} {word} {settings.min_ratio:g}"
         )
+        if unequal:
+            reasons.append(f"{line}, not judged: the outputs were of other lengths")
+            continue
         (reasons if word == "holds" else findings).append(line)
     verdict = decide(metrics, findings)
     if short:

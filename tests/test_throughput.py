@@ -473,6 +473,14 @@ def test_figures_count_the_tokens_delivered_and_a_short_run_is_not_judged(
             f"{OUTPUT_LEN} output tokens asked (ignore_eos is set), so it ran a shorter workload "
             "than the one judged"
         ) in result["reasons"]
+        # Held to a ratio it cannot meet, it is still not judged on other lengths: no fail.
+        data["gates"]["throughput"]["min_ratio"] = 100
+        write_inventory(inv, data)
+        code, result = gate(inv, "short", "--baseline", "baseline")
+        assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
+        ratio = {m["name"]: m for m in result["metrics"]}["c4.ratio"]
+        assert ratio["value"] > 0 and ratio["threshold"] is None, ratio
+        assert any("not judged: the outputs were of other lengths" in r for r in result["reasons"])
     finally:
         for server in (over, short):
             server.shutdown()

@@ -57,19 +57,13 @@ def gate_context(
                 # none of which the identity holds): a run is a denominator only as long as
                 # the gate's own results count.
                 window = freshness_window(inv, "throughput")
-                at = utcnow()
-                gaps = [
-                    gap
-                    or (
-                        [
-                            f"recorded {age_text(at - b.created_at)} ago, past the throughput "
-                            f"window of {age_text(window)}"
-                        ]
-                        if at - b.created_at > window
-                        else []
-                    )
-                    for b, gap in zip(found, gaps, strict=True)
-                ]
+                for b, gap in zip(found, gaps, strict=True):
+                    age = utcnow() - b.created_at
+                    if not gap and age > window:
+                        gap.append(
+                            f"recorded {age_text(age)} ago, past the throughput window of "
+                            f"{age_text(window)}"
+                        )
             chosen = next((b for b, gap in zip(found, gaps, strict=True) if not gap), None)
             if chosen is None:
                 ctx.passed_over[name] = (

@@ -56,6 +56,10 @@ class Routed(BaseModel):
     applied: bool | None = None
     error: str | None = None
 
+    def unknown_workers(self, inv: LoadedInventory) -> list[str]:
+        """Workers given traffic by an address no backend has: what they serve is unknown."""
+        return sorted(n for n, w in self.weights.items() if w > 0 and n not in inv.backends)
+
 
 class FrontAnswer(BaseModel):
     """One real request through the router's listen address."""
@@ -167,12 +171,15 @@ def probe_serving(
         weighted = {n: w for n, w in routed.weights.items() if w > 0 and n in inv.backends}
         names = list(weighted) + [n for n, b in inv.backends.items() if b.url and n not in weighted]
         engines = ask_all({n: weighted.get(n, 0) for n in names})
-        # Workers the router lists by an address no backend has: what they serve is unknown.
-        unknown_workers = sorted(
-            n for n, w in routed.weights.items() if w > 0 and n not in weighted
-        )
         front = _ask_front(
-            inv, client, router_front, spec.kind, weighted, engines, timeout_s, unknown_workers
+            inv,
+            client,
+            router_front,
+            spec.kind,
+            weighted,
+            engines,
+            timeout_s,
+            routed.unknown_workers(inv),
         )
     return _judge(inv, spec.kind, spec.listen, spec.host, routed, front, engines)
 
@@ -436,9 +443,7 @@ def _judge(
             "rollback undoes it)",
         )
     notes += [f"{e.name} is up and receives no traffic" for e in idle_up]
-    unknown_workers = sorted(
-        n for n, w in routed.weights.items() if w > 0 and n not in inv.backends
-    )
+    unknown_workers = routed.unknown_workers(inv)
     if unknown_workers:
         # Whatever they serve takes its share of the traffic, unseen by the inventory.
         notes.insert(

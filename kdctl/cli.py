@@ -74,6 +74,9 @@ StateDirOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+WideOpt = Annotated[
+    bool, typer.Option("--wide", help="Every column, for a terminal wider than 80 columns.")
+]
 
 
 def _load(
@@ -118,6 +121,14 @@ def status(
     timeout: Annotated[
         float, typer.Option("--timeout", min=0.1, help="Deadline per host and backend, seconds.")
     ] = 20.0,
+    wide: WideOpt = False,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep",
+            help="Run command-mode engines' binaries to ask who they are (they load the model).",
+        ),
+    ] = False,
 ) -> None:
     """Hosts, GPUs and backends as live probes see them. Exit 3 when a host is unreachable."""
     from kdctl.status import status_report
@@ -125,11 +136,11 @@ def status(
 
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:
-        report = status_report(inv, store, deadline_s=timeout)
+        report = status_report(inv, store, deadline_s=timeout, deep=deep)
     if json_:
         _print_json(report)
     else:
-        out.print(status_tables(report))
+        out.print(status_tables(report, wide=wide))
     if report.unreachable:
         if not json_:
             sys.stderr.write(f"unreachable: {', '.join(report.unreachable)}\n")
@@ -164,6 +175,7 @@ def phases(
     only: Annotated[
         list[str] | None, typer.Option("--phase", help="With --run: only this phase (repeat).")
     ] = None,
+    wide: WideOpt = False,
 ) -> None:
     """The roadmap's phases from evidence: done, in progress, blocked, remaining, and every
     unmet criterion with its threshold, last value and age, under the three answers. Exit 0
@@ -189,7 +201,7 @@ def phases(
         _print_json(found.phases_document())
     else:
         out.print(answers_text(found.answers))
-        out.print(phases_table(found.phases))
+        out.print(phases_table(found.phases, wide=wide))
     if found.answers.cutover.can_cut_over is not True:
         raise typer.Exit(1)
 

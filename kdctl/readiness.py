@@ -29,11 +29,13 @@ from kdctl.checks import (
     with_settings,
 )
 from kdctl.errors import InputError
-from kdctl.evidence import EvidenceStore, freshness
+from kdctl.evidence import EvidenceStore, freshness, shared_url
 from kdctl.evidence._freshness import age_text
-from kdctl.inventory import LoadedInventory
+from kdctl.inventory import LoadedInventory, SystemdService
+from kdctl.probes import ServiceState
 from kdctl.recording import run_gates
 from kdctl.roadmap import (
+    CriterionStatus,
     FrontNow,
     PhaseReport,
     PhaseStatus,
@@ -43,8 +45,9 @@ from kdctl.roadmap import (
     load_roadmap,
     roadmap_path,
 )
-from kdctl.serving import ServingProbe, probe_serving
+from kdctl.serving import EngineAnswer, ServingProbe, probe_serving
 from kdctl.session import Identity, Session, using
+from kdctl.traffic import CutoverRecord, open_journal
 
 # "baseline": the engine the roadmap replaces, the yardstick every ratio is measured against.
 Speed = Literal["yes", "no", "unmeasured", "baseline"]
@@ -66,17 +69,46 @@ class ServingAnswer(ServingProbe):
     speed_of: str | None = None
     speed_share: int | None = None
 
+    # Since when what answers now has answered, or nothing has, where it can be known, and
+    # from what (the journal's last change, a unit's state change).
+    since: datetime | None = None
+    since_from: str | None = None
+    # Line 1 in a few words: who answers (a split as its shares), where, what to know at once
+    # (a change written and not applied, workers the inventory does not name), and, for
+    # "nothing" and "unknown", each engine that does not answer; `detail` holds the whole.
+    who_short: str | None = None
+    where: str | None = None
+    flags: list[str] = []
+    engines_short: list[str] = []
+    # The speed judgement in a few words (the whole of it is `speed`).
+    speed_short: str | None = None
+
     def line(self) -> str:
-        speed = f"; speed: {self.speed}" if self.speed else ""
-        if self.speed and self.speed_of is not None:
-            speed = f"; speed of {self.speed_of}, {self.speed_share}% of traffic: {self.speed}"
-        if self.state == "serving":
-            return f"Serving now: {self.detail}{speed}."
-        if self.state == "degraded":
-            return f"Serving now: degraded. {self.detail}{speed}."
+        """Line 1, in a few words; `detail` and `speed` say the whole of it."""
+        since = f" since {self.since:%Y-%m-%d %H:%M}" if self.since else ""
+        speed = f"; speed: {self.speed_short}" if self.speed_short else ""
+        flag = f" ({'; '.join(self.flags)})" if self.flags else ""
+        if self.state in ("serving", "degraded"):
+            who = self.who_short or self.backend or "an engine the router does not name"
+            where = f" through {self.router} on {self.where}" if self.router else ""
+            if self.state == "degraded":
+                return _fit(
+                    f"Serving now: degraded: {who}{where}, part of the traffic fails{flag}{speed}."
+                )
+            return _fit(f"Serving now: {who}{where}{since}{flag}{speed}.")
+        why = "; ".join([*self.flags, *self.engines_short])
         if self.state == "nothing":
-            return f"Serving now: nothing. {self.detail}."
-        return f"Serving now: unknown ({self.detail})."
+            return _fit(f"Serving now: nothing{since}" + (f" ({why})." if why else "."))
+        return _fit(f"Serving now: unknown ({why or 'no answer was seen'}).")
+
+
+def _fit(text: str, width: int = 160) -> str:
+    """A line a lead reads at a glance: cut at a word, never mid-name, where it runs over (the
+    whole of it is printed below)."""
+    if len(text) <= width:
+        return text
+    cut = text[: width - 5].rsplit(" ", 1)[0].rstrip(",;:(")
+    return f"{cut} ..."
 
 
 class LatestVerdict(BaseModel):
@@ -176,52 +208,189 @@ class Soon(BaseModel):
     detail: str
 
 
+# Most important first: traffic cannot move to an engine that does not answer; a failure is
+# work to do; a result that no longer holds is a measurement to make again; then what was
+# never measured.
+BlockerKind = Literal["not-answering", "fail", "stale", "missing"]
+_RANK: dict[str, int] = {"not-answering": 0, "fail": 1, "stale": 2, "missing": 3}
+_SAID = {"fail": "fails", "stale": "no longer holds", "missing": "never measured"}
+
+
+class Blocker(BaseModel):
+    """One thing that keeps traffic from moving now, and the command that would measure or
+    fix it."""
+
+    kind: BlockerKind
+    phase: str | None = None
+    criterion: str | None = None
+    reason: str
+    fix: str | None = None
+
+    @property
+    def text(self) -> str:
+        return f"{self.phase}/{self.criterion}: {self.reason}" if self.criterion else self.reason
+
+    @property
+    def short(self) -> str:
+        if self.criterion:
+            return f"{self.phase}/{self.criterion} {_SAID[self.kind]}"
+        return self.reason.split(":")[0]
+
+
+class ServesAll(BaseModel):
+    """The candidate already serves all traffic through the front: the cutover is done."""
+
+    backend: str
+    since: datetime | None = None
+    cutover: str | None = None
+
+
 class CutoverAnswer(BaseModel):
     candidate: str | None
     target: str | None
     can_cut_over: bool | None
+    # Each blocker's whole text, most important first (`blockers` holds them with their fix).
     blocking: list[str] = []
+    blockers: list[Blocker] = []
     soon: Soon | None = None
     # Where the candidate is stopped (it shares GPUs with the engine serving): how its
     # evidence was held, since no engine answered for it.
     held: str | None = None
+    serves_all: ServesAll | None = None
+
+    def line(self) -> str:
+        c = self
+        if c.serves_all is not None:
+            done = c.serves_all
+            since = f" since {done.since:%Y-%m-%d %H:%M}" if done.since else ""
+            by = f" (cutover {done.cutover})" if done.cutover else ""
+            left = f"; {len(c.blockers)} prerequisites no longer hold" if c.blockers else ""
+            return _fit(
+                f"Cut over to {done.backend}: done; it serves all traffic{since}{by}{left}."
+            )
+        if c.can_cut_over is None:
+            return "Cut over now: unknown (no roadmap selected)."
+        held = (
+            f"; {c.candidate} is stopped, its evidence held until the swap judges it (below)"
+            if c.held
+            else ""
+        )
+        if c.can_cut_over:
+            return _fit(
+                f"Cut over to {c.candidate} now: yes (every prerequisite of {c.target} is met)"
+                f"{held}."
+            )
+        n = len(c.blockers)
+        soon = "soon: no forecast"
+        if c.soon is not None and c.soon.eta is not None:
+            soon = f"soon: {c.soon.eta:%Y-%m-%d} if trends hold"
+        head = f"Cut over to {c.candidate} now: no; {n} blocker{'s' if n != 1 else ''}"
+        first = c.blockers[0].short if c.blockers else "unknown"
+        room = 160 - len(head) - len(soon) - len(", first: ; .")
+        if len(first) > room:
+            first = first[: room - 4].rsplit(" ", 1)[0] + " ..."
+        return _fit(f"{head}, first: {first}; {soon}{held}.")
+
+
+class PhaseLeft(BaseModel):
+    """A phase not done, as line 2 names it."""
+
+    id: str
+    status: str
+    eta: datetime | None = None
+    # A phase to re-verify: when it was last done.
+    done_at: datetime | None = None
 
 
 class Answers(BaseModel):
     serving: ServingAnswer
+    # Every phase not done, as before: "id (status[, forecast DATE])".
     remaining_phases: list[str]
     cutover: CutoverAnswer
+    phases_left: list[PhaseLeft] = []
 
     # The moment every part of these answers was measured or read.
     assessed_at: datetime | None = None
     # Criteria whose newest result is clearly worse than their trend, with the engine versions.
     regressions: list[str] = []
+    # How engines that did not say who they are were described (held to the inventory, or to
+    # their newest recorded identity).
+    notes: list[str] = []
 
     def lines(self) -> list[str]:
-        serving = self.serving.line()
+        """The three answers, each in at most 160 characters."""
+        return [self.serving.line(), self._phases_line(), self.cutover.line()]
+
+    def _phases_line(self) -> str:
         if self.cutover.target is None:
-            remaining = "Phases remaining: unknown (no roadmap selected: the inventory's roadmap:)"
-        elif self.remaining_phases:
-            remaining = f"Phases remaining ({len(self.remaining_phases)}): " + ", ".join(
-                self.remaining_phases
+            return "Phases remaining: unknown (no roadmap selected: the inventory's roadmap:)."
+        todo = [p for p in self.phases_left if p.status != "to_reverify"]
+        again = [p for p in self.phases_left if p.status == "to_reverify"]
+        if not todo and not again:
+            return "Phases remaining: none."
+        heads = []
+        if todo:
+            heads.append(f"Phases remaining ({len(todo)}): ")
+        if again:
+            lead = "to re-verify" if todo else "Phases remaining: none; to re-verify"
+            heads.append(f"{lead} ({len(again)}): ")
+        room = (160 - sum(map(len, heads)) - 3) // len(heads)
+        named = [_names(ps, room) for ps in (todo, again) if ps]
+        return "; ".join(h + n for h, n in zip(heads, named, strict=True)) + "."
+
+    def why_not_now(self) -> list[str]:
+        """Every blocker, grouped by phase, the most important first, each with the command
+        that would measure or fix it."""
+        if not self.cutover.blockers:
+            return []
+        groups: dict[str, list[Blocker]] = {}
+        for b in self.cutover.blockers:
+            groups.setdefault(b.phase or "", []).append(b)
+        out = [f"Why not now ({len(self.cutover.blockers)}):"]
+        for phase, bs in groups.items():
+            for b in bs:
+                what = f"{b.criterion}: {b.reason}" if b.criterion else b.reason
+                fix = f"  -> {b.fix}" if b.fix else ""
+                out.append(f"  {phase + ': ' if phase else ''}{what}{fix}")
+        return out
+
+    def details(self) -> list[str]:
+        """What the three lines leave out, in full: the serving probe's detail and speed, the
+        forecast, how a stopped candidate's evidence is held, regressions."""
+        s = self.serving
+        out = [f"Serving: {s.detail}" + (f" (since: {s.since_from})" if s.since_from else "")]
+        if s.speed and s.speed_of is not None:
+            out.append(f"Speed of {s.speed_of}, {s.speed_share}% of traffic: {s.speed}")
+        elif s.speed:
+            out.append(f"Speed: {s.speed}")
+        again = [p for p in self.phases_left if p.status == "to_reverify" and p.done_at]
+        if again:
+            out.append(
+                "To re-verify (done before; their evidence no longer holds): "
+                + ", ".join(f"{p.id} (was done {p.done_at:%Y-%m-%d %H:%M})" for p in again)
             )
-        else:
-            remaining = "Phases remaining: none"
         c = self.cutover
-        if c.can_cut_over is None:
-            cut = "Cut over now: unknown (no roadmap selected)"
-        elif c.can_cut_over:
-            cut = f"Cut over to {c.candidate} now: yes (every prerequisite of {c.target} is met)"
-        else:
-            shown = "; ".join(c.blocking[:6]) + (" ..." if len(c.blocking) > 6 else "")
-            soon = f"; soon: {c.soon.detail}" if c.soon else ""
-            cut = f"Cut over to {c.candidate} now: no{soon}; blocked by {shown}"
+        if c.soon is not None and c.blockers:
+            out.append(f"Soon: {c.soon.detail}")
         if c.held:
-            cut += f"; {c.held}"
-        lines = [serving, remaining, cut]
+            out.append(f"Held: {c.held}")
         if self.regressions:
-            lines.append("Regressions: " + "; ".join(self.regressions))
-        return lines
+            out.append("Regressions: " + "; ".join(self.regressions))
+        out += [f"Note: {n}" for n in self.notes]
+        return out
+
+
+def _names(phases: list[PhaseLeft], room: int) -> str:
+    """Phase ids (with a forecast date where there is one) in `room` characters, the rest
+    counted."""
+    shown: list[str] = []
+    for i, p in enumerate(phases):
+        word = p.id + (f" ({p.eta:%Y-%m-%d})" if p.eta else "")
+        more = f", +{len(phases) - i - 1} more" if i < len(phases) - 1 else ""
+        if shown and len(", ".join([*shown, word])) + len(more) > room:
+            return ", ".join(shown) + f", +{len(phases) - i} more"
+        shown.append(word)
+    return ", ".join(shown)
 
 
 @dataclass(frozen=True)
@@ -247,6 +416,7 @@ def assess(
     timeout_s: float = 15.0,
     now: datetime | None = None,
     serving: ServingProbe | None = None,
+    services: Mapping[str, ServiceState] | None = None,
     session: Session | None = None,
 ) -> Readiness:
     """The three answers from one moment: who answers through the front now, the roadmap
@@ -256,7 +426,7 @@ def assess(
     said it is (`kdctl status` probes every engine anyway), so that nothing is asked twice.
     """
     with using(inv, session) as s:
-        return _assess(inv, store, s, roadmap, target, candidate, timeout_s, now, serving)
+        return _assess(inv, store, s, roadmap, target, candidate, timeout_s, now, serving, services)
 
 
 def _assess(
@@ -269,6 +439,7 @@ def _assess(
     timeout_s: float,
     now: datetime | None,
     serving: ServingProbe | None,
+    services: Mapping[str, ServiceState] | None,
 ) -> Readiness:
     now = now or utcnow()
     path = roadmap_path(inv, roadmap)
@@ -299,7 +470,7 @@ def _assess(
         if loaded
         else None
     )
-    blocking = [f"{c.phase}/{c.name}: {c.reason}" for c in report.blocking] if report else []
+    blockers = [_blocker(c) for c in report.blocking] if report else []
     held: str | None = None
     if report is not None:
         # Traffic cannot move to an engine that does not answer, whatever its evidence says.
@@ -318,9 +489,14 @@ def _assess(
         if unread:
             # Held to its host, which did not answer: nothing ties its evidence to the machine
             # and checkpoint there, so it stands on the inventory's word alone.
-            blocking.append(
-                f"{report.candidate} is stopped and its host {spec.host} could not be read "
-                "(its identity and checkpoint): its evidence cannot be held to anything measured"
+            blockers.append(
+                Blocker(
+                    kind="not-answering",
+                    reason=f"{report.candidate} is stopped and its host {spec.host} could not be "
+                    "read (its identity and checkpoint): its evidence cannot be held to anything "
+                    "measured",
+                    fix=f"check SSH to {spec.host} (kdctl status)",
+                )
             )
             report = report.model_copy(update={"target_reachable": False})
         elif not cand.live and swapped:
@@ -332,24 +508,45 @@ def _assess(
                 "evidence is held to what its host shows and the inventory declares; the swap "
                 "judges it again once it answers, before traffic reopens"
             )
-            # Said once, in answer 3 (`held`), which every output carries.
         elif not cand.live:
-            blocking.append(f"{report.candidate} is not answering: {cand.note}")
+            blockers.append(
+                Blocker(
+                    kind="not-answering",
+                    reason=f"{report.candidate} is not answering: {cand.note}",
+                    fix=_start_fix(inv, report.candidate),
+                )
+            )
             # phases --json and every report carry the same verdict as answer 3.
             report = report.model_copy(update={"target_reachable": False})
-    soon = _soon(report) if report is not None and blocking else None
+    blockers.sort(key=lambda b: _RANK[b.kind])
+    soon = _soon(report) if report is not None and blockers else None
+    last_change = _last_change(inv)
+    answer1 = _serving(inv, store, loaded, probe, identify, now)
+    _since(answer1, inv, store, last_change, services or {})
     answers = Answers(
-        serving=_serving(inv, store, loaded, probe, identify, now),
+        serving=answer1,
         remaining_phases=[_remaining(p) for p in report.remaining] if report else [],
+        phases_left=[
+            PhaseLeft(
+                id=p.id,
+                status=p.status,
+                eta=p.eta,
+                done_at=p.last_done_at if p.status == "to_reverify" else None,
+            )
+            for p in (report.remaining if report else [])
+        ],
         cutover=CutoverAnswer(
             candidate=report.candidate if report else candidate,
             target=report.target if report else None,
-            can_cut_over=not blocking if report else None,
-            blocking=blocking,
+            can_cut_over=not blockers if report else None,
+            blocking=[b.text for b in blockers],
+            blockers=blockers,
             soon=soon,
             held=held,
+            serves_all=_serves_all(probe, report.candidate, last_change) if report else None,
         ),
         assessed_at=now,
+        notes=report.notes if report else [],
         regressions=[
             f"{c.phase}/{c.name}: {c.trend.regression}"
             for p in (report.phases if report else [])
@@ -358,6 +555,117 @@ def _assess(
         ],
     )
     return Readiness(answers=answers, phases=report, identities=identities)
+
+
+def _blocker(c: CriterionStatus) -> Blocker:
+    kind: BlockerKind = c.state if c.state in ("fail", "stale", "missing") else "fail"  # type: ignore[assignment]
+    fix: str | None = None
+    if c.gate == "sign-off":
+        fix = f"kdctl signoff --backend {c.backend} --by NAME --note WHAT-WAS-CHECKED"
+    elif c.gate == "promotion":
+        fix = f"kdctl cutover --to {c.backend}"
+    elif gate_class(c.gate).runnable:
+        fix = f"kdctl phases --run --phase {c.phase}"
+    return Blocker(kind=kind, phase=c.phase, criterion=c.name, reason=c.reason, fix=fix)
+
+
+def _start_fix(inv: LoadedInventory, name: str) -> str:
+    spec = inv.backends[name]
+    service = spec.service
+    if isinstance(service, SystemdService):
+        user = " --user" if service.scope == "user" else ""
+        return f"start it: systemctl{user} start {service.systemd} on {spec.host}"
+    if service is not None:
+        return f"start it: its command service on {spec.host} (pidfile {service.pidfile})"
+    if spec.url is None:
+        return f"give it a server: {name} runs in command mode (no URL to send traffic to)"
+    return f"start it on {spec.host}: nothing answers at {spec.url}"
+
+
+def _last_change(inv: LoadedInventory) -> CutoverRecord | None:
+    """The journal's newest cutover or rollback; None where the journal was never written (a
+    status creates no journal)."""
+    if shared_url(inv) is None and not (inv.state_dir / "traffic.sqlite").exists():
+        return None
+    with open_journal(inv) as journal:
+        return journal.latest()
+
+
+def _changed_to(record: CutoverRecord | None, backend: str | None) -> datetime | None:
+    """When the journal's last change left all traffic on `backend`, if it did."""
+    if record is None or record.ended_at is None or backend is None:
+        return None
+    if record.state == "succeeded" and record.to_backend == backend:
+        return record.ended_at
+    if record.state == "rolled_back" and record.from_backend == backend:
+        return record.ended_at
+    return None
+
+
+def _serves_all(
+    probe: ServingProbe, candidate: str, last_change: CutoverRecord | None
+) -> ServesAll | None:
+    """The candidate answers through the front, and the router sends it everything."""
+    routed = probe.routed
+    if probe.answered is not True or probe.backend != candidate or routed is None:
+        return None
+    weights = {n: w for n, w in routed.weights.items() if w > 0}
+    if weights != {candidate: 100} or routed.applied is False:
+        return None
+    since = _changed_to(last_change, candidate)
+    return ServesAll(
+        backend=candidate,
+        since=since,
+        cutover=last_change.id if since is not None and last_change is not None else None,
+    )
+
+
+# Gates whose pass means the engine answered kdctl.
+_ANSWERED = ("health", "exactness", "throughput", "api-conformance")
+
+
+def _since(
+    answer: ServingAnswer,
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    last_change: CutoverRecord | None,
+    services: Mapping[str, ServiceState],
+) -> None:
+    """Since when line 1 holds, where it can be known: for an engine serving, the journal's
+    change that left traffic on it; for nothing, the moment the engine that served last
+    stopped, by its unit's own state change, else the last time kdctl saw it answer."""
+    if answer.state == "serving" and answer.backend is not None:
+        at = _changed_to(last_change, answer.backend)
+        if at is not None and last_change is not None:
+            answer.since = at
+            verb = "cutover" if last_change.state == "succeeded" else "rollback of cutover"
+            answer.since_from = f"the journal: {verb} {last_change.id}"
+        return
+    if answer.state != "nothing":
+        return
+    last = None
+    if last_change is not None and last_change.state != "running":
+        last = (
+            last_change.to_backend if last_change.state == "succeeded" else last_change.from_backend
+        )
+    last = last or (inv.spec.router.serving if inv.spec.router else None)
+    svc = services.get(last) if last else None
+    if svc is not None and svc.state in ("stopped", "failed") and svc.since is not None:
+        answer.since = svc.since
+        answer.since_from = f"{last}'s {svc.kind} service {svc.name} {svc.state} since then"
+        return
+    seen = [
+        (r.ended_at, r.backend)
+        for n in inv.backends
+        for gate in _ANSWERED
+        for r in store.results(gate=gate, backend=n, limit=1)
+        if r.verdict == "pass"
+    ]
+    if seen:
+        at, who = max(seen)
+        answer.since_from = (
+            f"not known; the last answer kdctl recorded is {who}'s, {at:%Y-%m-%d %H:%M}"
+        )
 
 
 def _remaining(phase: PhaseStatus) -> str:
@@ -412,12 +720,27 @@ def _serving(
     identify: Callable[[set[str]], Mapping[str, Identity]],
     now: datetime,
 ) -> ServingAnswer:
+    answer = _judged_speed(inv, store, roadmap, probe, identify, now)
+    if answer.speed_optimized == "unmeasured" and answer.speed_short is None:
+        answer.speed_short = "unmeasured"
+    return answer
+
+
+def _judged_speed(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    roadmap: Roadmap | None,
+    probe: ServingProbe,
+    identify: Callable[[set[str]], Mapping[str, Identity]],
+    now: datetime,
+) -> ServingAnswer:
     answer = ServingAnswer(
         **dict(probe),
         weight=(
             probe.routed.weights.get(probe.backend) if probe.routed and probe.backend else None
         ),
     )
+    _briefly(answer, inv)
     if probe.state not in ("serving", "degraded"):
         return answer
     who = probe.backend
@@ -441,6 +764,7 @@ def _serving(
     if who is None:
         answer.speed_optimized = "unmeasured"
         answer.speed = "unmeasured (which engine answered is not known)"
+        answer.speed_short = "unmeasured"
         return answer
     if roadmap is None:
         answer.speed_optimized = "unmeasured"
@@ -448,7 +772,7 @@ def _serving(
         return answer
     if who == roadmap.spec.serving:
         answer.speed_optimized = "baseline"
-        answer.speed = "the baseline"
+        answer.speed = answer.speed_short = "the baseline"
         return answer
     criterion = roadmap.speed_criterion(who)
     if criterion is None:
@@ -473,16 +797,66 @@ def _serving(
             f"{measured} {where} ({needs}; {ago}), held to the inventory: {who} did not say "
             "what it runs"
         )
+        answer.speed_short = f"unmeasured ({measured}, held to the inventory)"
     elif status.state == "pass":
         answer.speed_optimized = "yes"
         answer.speed = f"{measured} {where} ({needs}; {ago})"
+        answer.speed_short = f"yes, {measured}"
     elif status.state == "fail":
         answer.speed_optimized = "no"
         answer.speed = f"{measured} {where} ({needs}; {ago}): {status.reason}"
+        answer.speed_short = f"no, {measured} ({needs})"
     else:
         answer.speed_optimized = "unmeasured"
         answer.speed = f"unmeasured by {criterion.name} ({needs}): {status.reason}"
     return answer
+
+
+def _briefly(answer: ServingAnswer, inv: LoadedInventory) -> None:
+    """Line 1's few words, from the same probe as its detail."""
+    router = inv.spec.router
+    if router is not None:
+        remote = inv.hosts[router.host].transport != "local"
+        answer.where = (
+            f"{router.host}:{router.listen.rpartition(':')[2]}" if remote else router.listen
+        )
+    routed = answer.routed
+    split = {n: w for n, w in (routed.weights if routed else {}).items() if w > 0}
+    if routed is not None and len(split) > 1 and routed.applied is not False:
+        answer.who_short = ", ".join(
+            f"{n} {w}%" for n, w in sorted(split.items(), key=lambda kv: -kv[1])
+        )
+    if routed is not None and routed.applied is False:
+        answer.flags.append("a router change is written, not applied")
+    if routed is not None and routed.unknown_workers(inv):
+        answer.flags.append("the router also sends to workers the inventory does not name")
+    if answer.state in ("serving", "degraded"):
+        return
+    front = answer.front
+    if front is not None and answer.where is not None:
+        if front.answered is None:
+            answer.engines_short.append(f"the router on {answer.where} could not be asked")
+        elif front.answered is False:
+            answer.engines_short.append(f"the router on {answer.where} {front.detail}")
+    answer.engines_short += [_engine_brief(e, inv) for e in answer.engines if not e.serves]
+
+
+def _engine_brief(e: EngineAnswer, inv: LoadedInventory) -> str:
+    spec = inv.backends.get(e.name)
+    unit = spec.service.systemd if spec and isinstance(spec.service, SystemdService) else None
+    svc = (e.service or "").partition(": ")[2]
+    if e.state == "up":
+        return f"{e.name} up, not generating" if e.generated is False else f"{e.name} up"
+    if e.state == "starting":
+        return f"{e.name} not ready"
+    if "unreachable from here" in (e.detail or ""):
+        runs = ", its service runs" if svc.startswith(("running", "active")) else ""
+        return f"{e.name} unreachable from here{runs}"
+    if e.state == "down" and unit and svc.startswith(("inactive", "failed")):
+        return f"{unit} {svc.split('/')[0]}"
+    if e.state == "down" and svc in ("stopped", "no pidfile", "stale pidfile"):
+        return f"{e.name} not started"
+    return f"{e.name} {'down' if e.state == 'down' else 'not answering'}"
 
 
 def _drafting(store: EvidenceStore, evidence_id: str | None) -> str:

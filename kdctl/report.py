@@ -293,6 +293,8 @@ def render_reports(
         "doc": doc,
         "answers": readiness.answers,
         "lines": readiness.answers.lines(),
+        "why": readiness.answers.why_not_now(),
+        "details": readiness.answers.details(),
         "phases": phases,
         "charts": collect_charts(store, phases),
         "generated_at": now.strftime("%Y-%m-%d %H:%M:%SZ"),

@@ -33,12 +33,21 @@ class Identity:
     note: str | None = None
 
 
+# What a command-mode engine last said it was, from the evidence: its provenance, and where
+# that was read (e.g. "exactness result of 2026-12-01 09:12").
+Recorded = Callable[[str], tuple[Provenance, str] | None]
+
+
 class Session:
-    def __init__(self, inventory: LoadedInventory) -> None:
+    def __init__(self, inventory: LoadedInventory, *, recorded: Recorded | None = None) -> None:
+        """`recorded`: where given, an engine in command mode is not run to ask who it is
+        (its binary loads a model on the GPUs that serve); it is described by its newest
+        recorded identity instead, said as such."""
         self.inventory = inventory
         self.pool = TransportPool(inventory)
         self._identities: dict[str, Identity] = {}
         self.binder = Binder(self)
+        self.recorded = recorded
 
     def transport(self, host: str) -> Transport:
         return self.pool.get(host)
@@ -98,6 +107,9 @@ class Session:
         return Identity(self.binder.bind(name, prov), live=False, note=note)
 
     def _ask(self, name: str, timeout_s: float) -> Identity:
+        spec = self.inventory.backends[name]
+        if self.recorded is not None and spec.kind == "native" and spec.mode == "command":
+            return self._as_recorded(name)
         try:
             with self.backend(name, timeout=timeout_s) as be:
                 # An engine that describes itself but is not ready (503: wedged, loading,
@@ -116,6 +128,23 @@ class Session:
             )
         prov = provenance_for(self.inventory, name, info, None)
         return Identity(self.binder.bind(name, prov), live=True)
+
+    def _as_recorded(self, name: str) -> Identity:
+        assert self.recorded is not None
+        found = self.recorded(name)
+        if found is None:
+            return self._declared(
+                name,
+                f"{name} runs in command mode and was not run to ask who it is (kdctl status "
+                "--deep runs it); no result records it either: held to the inventory",
+            )
+        prov, where = found
+        return Identity(
+            self.binder.bind(name, prov),
+            live=False,
+            note=f"{name} runs in command mode and was not run to ask who it is (kdctl status "
+            f"--deep runs it): described as its {where} recorded it",
+        )
 
     def close(self) -> None:
         self.pool.close()

@@ -11,7 +11,7 @@ from pydantic import BaseModel, PrivateAttr, SecretStr
 from kdctl._httpclient import http_client
 from kdctl.backends import HEALTH_TIMEOUT_S, EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
-from kdctl.checks import provenance_for
+from kdctl.checks import Provenance, provenance_for
 from kdctl.errors import KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import BackendSpec, LoadedInventory
@@ -165,22 +165,37 @@ def _identify(
 
 
 def status_report(
-    inventory: LoadedInventory, store: EvidenceStore, *, deadline_s: float = 20.0
+    inventory: LoadedInventory,
+    store: EvidenceStore,
+    *,
+    deadline_s: float = 20.0,
+    deep: bool = False,
 ) -> StatusReport:
     """`kdctl status`: the live probes, then the three answers from the same session, so
-    every host is dialled and every engine asked who it is once."""
-    with Session(inventory) as session:
+    every host is dialled and every engine asked who it is once. An engine in command mode
+    is run only with `deep`: otherwise who it is comes from its newest recorded identity."""
+    recorded = None if deep else (lambda name: recorded_identity(store, name))
+    with Session(inventory, recorded=recorded) as session:
         report = collect_status(inventory, deadline_s=deadline_s, session=session)
         report.answers = assess(
             inventory,
             store,
             timeout_s=min(deadline_s, 15.0),
             serving=report.serving,
+            services={b.name: b.service for b in report.backends if b.service is not None},
             session=session,
         ).answers
         identities = session.identify(inventory.backends, timeout_s=min(deadline_s, 15.0))
     report.gates = latest_verdicts(inventory, store, identities=identities)
     return report
+
+
+def recorded_identity(store: EvidenceStore, name: str) -> tuple[Provenance, str] | None:
+    """The newest result that recorded what the engine said it runs (its build)."""
+    for r in store.results(backend=name, limit=50):
+        if r.provenance.engine_version is not None:
+            return r.provenance, f"{r.gate} result of {r.ended_at:%Y-%m-%d %H:%M}"
+    return None
 
 
 def collect_status(

@@ -43,10 +43,43 @@ def _t(value: object) -> Text:
     return Text("-" if value is None or value == "" else str(value))
 
 
-def status_tables(report: StatusReport) -> Group:
-    hosts = Table(title="Hosts", title_justify="left", expand=False)
-    for col in ("host", "target", "reachable", "RTT", "GPUs", "Xids"):
-        hosts.add_column(col)
+def _table(title: str | Text | None, columns: tuple[str, ...]) -> Table:
+    """A table whose cells wrap, and fold a word longer than their column, rather than cut a
+    value to an ellipsis: a path or a reason read in half is read wrong."""
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    return table
+
+
+def _rows_table(
+    title: str,
+    columns: tuple[str, ...],
+    rows: list[dict[str, Text]],
+    *,
+    wide: bool,
+    narrow_drop: tuple[str, ...] = (),
+) -> Table:
+    """A table of named cells. Unless `wide`: without the `narrow_drop` columns, nor any
+    column no row has a value in."""
+
+    def empty(col: str) -> bool:
+        return all(r[col].plain in ("", "-") for r in rows)
+
+    shown = (
+        columns
+        if wide
+        else tuple(c for c in columns if c not in narrow_drop and not (rows and empty(c)))
+    )
+    table = _table(title, shown)
+    for r in rows:
+        table.add_row(*(r[c] for c in shown))
+    return table
+
+
+def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
+    """`wide` adds the columns a terminal of 80 columns has no room for: kind, URL, latency."""
+    hosts = _table("Hosts", ("host", "target", "reachable", "RTT", "GPUs", "Xids"))
     for h in report.hosts:
         if not h.reachable:
             hosts.add_row(
@@ -82,30 +115,38 @@ def status_tables(report: StatusReport) -> Group:
             _t(h.name), _t(h.target), Text("yes", "green"), _ms(h.rtt_ms), gpu_text, xid_text
         )
 
-    backends = Table(title="Backends", title_justify="left")
     cols: tuple[str, ...] = ("backend", "kind", "url", "state", "latency", "model", "version")
-    cols = (*cols, "TP", "drafts", "service")
-    for col in (*cols, "detail"):
-        backends.add_column(col)
+    cols = (*cols, "TP", "drafts", "service", "detail")
+    rows = []
     for b in report.backends:
-        state = Text(b.state, _STATE_STYLE.get(b.state, ""))
         service = "-"
         if b.service:
             service = f"{b.service.state}" + (f" pid {b.service.pid}" if b.service.pid else "")
-        backends.add_row(
-            _t(b.name),
-            _t(b.kind),
-            _t(b.url),
-            state,
-            _ms(b.latency_ms),
-            # What the engine did not say itself is marked as the inventory's word.
-            _t(b.model if b.model_reported or not b.model else f"{b.model} (inventory)"),
-            _t(b.version),
-            str(b.tp_size) if b.tp_size_reported else f"{b.tp_size} (inventory)",
-            _t(_drafts(b)),
-            _t(service),
-            Text(b.detail or ""),
+        rows.append(
+            {
+                "backend": _t(b.name),
+                "kind": _t(b.kind),
+                "url": _t(b.url),
+                "state": Text(b.state, _STATE_STYLE.get(b.state, "")),
+                "latency": _t(_ms(b.latency_ms)),
+                # What the engine did not say itself is marked as the inventory's word.
+                "model": _t(
+                    b.model if b.model_reported or not b.model else f"{b.model} (inventory)"
+                ),
+                "version": _t(b.version),
+                "TP": _t(str(b.tp_size) if b.tp_size_reported else f"{b.tp_size} (inventory)"),
+                "drafts": _t(_drafts(b)),
+                "service": _t(service),
+                "detail": Text(b.detail or ""),
+            }
         )
+    backends = _rows_table(
+        "Backends",
+        cols,
+        rows,
+        wide=wide,
+        narrow_drop=("kind", "url", "latency"),
+    )
 
     t = report.traffic
     if t.router:
@@ -136,9 +177,10 @@ def status_tables(report: StatusReport) -> Group:
         traffic = Text("Traffic: no router in the inventory")
     parts: list[Table | Text] = [hosts, backends, traffic]
     if report.gates:
-        verdicts = Table(title="Latest gate verdicts", title_justify="left")
-        for col in ("backend", "gate", "baseline", "verdict", "age", "evidence", "still holds"):
-            verdicts.add_column(col)
+        verdicts = _table(
+            "Latest gate verdicts",
+            ("backend", "gate", "baseline", "verdict", "age", "evidence", "still holds"),
+        )
         for v in report.gates:
             # A verdict about something no longer there is not shown in its verdict's colour.
             style = _VERDICT_STYLE.get(v.verdict, "") if v.fresh is not False else "yellow"
@@ -159,16 +201,12 @@ def status_tables(report: StatusReport) -> Group:
 
 
 def inventory_summary(inv: LoadedInventory) -> Group:
-    hosts = Table(title=Text(f"{inv.path}: valid"), title_justify="left")
-    for col in ("host", "transport", "target", "GPUs", "host keys"):
-        hosts.add_column(col)
+    hosts = _table(Text(f"{inv.path}: valid"), ("host", "transport", "target", "GPUs", "host keys"))
     for name, h in inv.hosts.items():
         gpus = f"{h.gpus} x {h.gpu_model}" if h.gpus and h.gpu_model else str(h.gpus or "-")
         keys = "-" if h.transport == "local" else f"{h.host_key_policy} ({h.known_hosts})"
         hosts.add_row(_t(name), h.transport, _t(h.target), _t(gpus), _t(keys))
-    backends = Table()
-    for col in ("backend", "kind", "host", "url", "GPUs", "TP", "service", "API key"):
-        backends.add_column(col)
+    backends = _table(None, ("backend", "kind", "host", "url", "GPUs", "TP", "service", "API key"))
     for name, b in inv.backends.items():
         service = "-"
         if b.service is not None:
@@ -202,9 +240,7 @@ _VERDICT_STYLE = {
 
 
 def evidence_table(results: list[GateResult]) -> Table:
-    table = Table(title="Evidence", title_justify="left")
-    for col in ("id", "gate", "backend", "baseline", "verdict", "ended", "reasons"):
-        table.add_column(col)
+    table = _table("Evidence", ("id", "gate", "backend", "baseline", "verdict", "ended", "reasons"))
     for r in results:
         table.add_row(
             r.id[:12],
@@ -213,7 +249,7 @@ def evidence_table(results: list[GateResult]) -> Table:
             _t(r.baseline),
             Text(r.verdict, _VERDICT_STYLE.get(r.verdict, "")),
             r.ended_at.strftime("%Y-%m-%d %H:%M:%SZ"),
-            Text("; ".join(r.reasons)[:120]),
+            Text("; ".join(r.reasons)),
         )
     return table
 
@@ -223,9 +259,7 @@ def evidence_detail(r: GateResult) -> Group:
     head.append(r.verdict, _VERDICT_STYLE.get(r.verdict, ""))
     if r.baseline:
         head.append(f" (against {r.baseline})")
-    metrics = Table(title="Metrics", title_justify="left")
-    for col in ("metric", "value", "threshold", "ok"):
-        metrics.add_column(col)
+    metrics = _table("Metrics", ("metric", "value", "threshold", "ok"))
     for m in r.metrics:
         threshold = f"{m.comparison} {m.threshold}" if m.comparison else "-"
         ok = {True: Text("yes", "green"), False: Text("no", "red"), None: Text("-")}[m.passed]
@@ -285,15 +319,33 @@ def baseline_line(b: Baseline) -> str:
     return f"{head}: {points}; workload {b.workload_hash}"
 
 
-_PHASE_STYLE = {"done": "green", "in_progress": "yellow", "blocked": "red", "remaining": "dim"}
+_PHASE_STYLE = {
+    "done": "green",
+    "to_reverify": "yellow",
+    "in_progress": "yellow",
+    "blocked": "red",
+    "remaining": "dim",
+}
 _CRITERION_STYLE = {"pass": "green", "fail": "red", "missing": "yellow", "stale": "magenta"}
 
 
 def answers_text(answers: Answers) -> Text:
+    """The three answers, then every blocker with what would clear it, then the detail the
+    three lines leave out."""
     text = Text()
     for i, line in enumerate(answers.lines()):
         text.append(f"{i + 1}. ", "bold")
         text.append(line + "\n")
+    why = answers.why_not_now()
+    if why:
+        text.append("\n" + why[0] + "\n", "bold")
+        for line in why[1:]:
+            text.append(line + "\n")
+    details = answers.details()
+    if details:
+        text.append("\n")
+        for line in details:
+            text.append(line + "\n", "dim")
     return text
 
 
@@ -326,47 +378,55 @@ def _pins(pinned: dict[str, object]) -> str:
             value = ",".join(map(str, value))
         return [f"{prefix.rstrip('.')}={value}"] if value is not None else []
 
-    text = " ".join(flat("", pinned))
-    return text if len(text) <= 120 else text[:117] + "..."
+    return " ".join(flat("", pinned))
 
 
-def phases_table(report: PhaseReport) -> Group:
+def phases_table(report: PhaseReport, *, wide: bool = False) -> Group:
+    """`wide` adds each unmet criterion's pinned settings and trend."""
     head = Text(f"{report.title} ({report.roadmap}); target {report.target}", "bold")
-    table = Table(title="Phases", title_justify="left")
-    for col in ("phase", "status", "criteria met", "first done", "forecast", "title"):
-        table.add_column(col)
+    table = _table("Phases", ("phase", "status", "criteria met", "done", "forecast", "title"))
     for p in report.phases:
+        done = f"{p.first_done_at:%Y-%m-%d}" if p.first_done_at else "-"
+        if p.status == "to_reverify" and p.last_done_at:
+            done = f"was done {p.last_done_at:%Y-%m-%d %H:%M}"
         table.add_row(
             _t(p.id),
-            Text(p.status, _PHASE_STYLE[p.status]),
+            Text(p.status.replace("_", " "), _PHASE_STYLE[p.status]),
             f"{p.met}/{p.total}",
-            f"{p.first_done_at:%Y-%m-%d}" if p.first_done_at else "-",
+            done,
             _t(p.eta_detail or "-"),
             _t(p.title),
         )
-    unmet = Table(title="Unmet criteria", title_justify="left")
     cols = ("phase", "criterion", "state", "threshold", "pins", "last measured", "age", "trend")
-    for col in (*cols, "why"):
-        unmet.add_column(col)
+    rows = []
     for p in report.phases:
         for c in p.criteria:
             if c.met:
                 continue
             measured = ", ".join(_value(m) for m in c.values[:4]) or "-"
             age = "-" if c.age_s is None else age_text(timedelta(seconds=c.age_s))
-            unmet.add_row(
-                _t(p.id),
-                _t(c.name),
-                Text(c.state, _CRITERION_STYLE[c.state]),
-                _t(c.threshold),
-                _t(_pins(c.pinned)),
-                _t(measured),
-                age,
-                _t(_trend(c)),
-                Text(c.reason[:160]),
+            rows.append(
+                {
+                    "phase": _t(p.id),
+                    "criterion": _t(c.name),
+                    "state": Text(c.state, _CRITERION_STYLE[c.state]),
+                    "threshold": _t(c.threshold),
+                    "pins": _t(_pins(c.pinned)),
+                    "last measured": _t(measured),
+                    "age": _t(age),
+                    "trend": _t(_trend(c)),
+                    "why": Text(c.reason),
+                }
             )
+    unmet = _rows_table(
+        "Unmet criteria",
+        (*cols, "why"),
+        rows,
+        wide=wide,
+        narrow_drop=("pins", "trend"),
+    )
     parts: list[Text | Table] = [head, table, Text(f"pace: {report.pace_detail}")]
-    if unmet.row_count:
+    if rows:
         parts.append(unmet)
     for note in report.notes:
         parts.append(Text(f"note: {note}", "yellow"))

@@ -31,7 +31,9 @@ from kdctl.roadmap._trend import Trend, load_theilslopes, requirements, trend_of
 from kdctl.session import Identity
 
 CriterionState = Literal["pass", "fail", "missing", "stale"]
-PhaseState = Literal["done", "in_progress", "blocked", "remaining"]
+# "to_reverify": done once, and every criterion it misses now is stale (its evidence expired, or
+# the engine, weights or settings changed since): measured again, not built anew.
+PhaseState = Literal["done", "to_reverify", "in_progress", "blocked", "remaining"]
 
 
 class Measured(BaseModel):
@@ -83,6 +85,8 @@ class PhaseStatus(BaseModel):
     # From the history: the first moment every criterion's newest result passed, freshness
     # aside (a phase done once and undone later keeps its date).
     first_done_at: datetime | None = None
+    # The last moment it was done by the same rule: for a phase to re-verify, when it was.
+    last_done_at: datetime | None = None
     # Not done: the latest crossing among its unmet criteria's trends, "if they hold"; None
     # with the criteria that have no forecast named in `eta_detail`.
     eta: datetime | None = None
@@ -192,9 +196,12 @@ def evaluate(
         cs = criteria[phase.id]
         met = sum(c.met for c in cs)
         unmet_deps = [d for d in phase.depends_on if d not in done]
+        last_done = _last_done(resolved[phase.id], histories)
         status: PhaseState
         if phase.id in done:
             status = "done"
+        elif last_done is not None and _only_stale(resolved[phase.id], cs, histories):
+            status = "to_reverify"
         elif met:
             status = "in_progress"
         elif unmet_deps:
@@ -213,6 +220,7 @@ def evaluate(
                 total=len(cs),
                 criteria=cs,
                 first_done_at=_first_done(resolved[phase.id], histories),
+                last_done_at=last_done,
                 eta=eta,
                 eta_detail=eta_detail,
             )
@@ -247,6 +255,35 @@ def _first_done(
         return None
     for moment in sorted({r.ended_at for h in oldest_first for r in h}):
         then = [next((r for r in reversed(h) if r.ended_at <= moment), None) for h in oldest_first]
+        if all(_passes(c, r) for c, r in zip(criteria, then, strict=True)):
+            return moment
+    return None
+
+
+def _only_stale(
+    criteria: list[ResolvedCriterion],
+    statuses: list[CriterionStatus],
+    histories: Mapping[tuple[str, str], list[GateResult]],
+) -> bool:
+    """Whether every criterion missed now is missed only because its newest result, a pass,
+    no longer holds: a newer failure is a phase broken, not one to measure again."""
+    unmet = [(c, s) for c, s in zip(criteria, statuses, strict=True) if not s.met]
+    return bool(unmet) and all(
+        s.state == "stale" and _passes(c, (histories[(c.phase, c.name)] or [None])[0])
+        for c, s in unmet
+    )
+
+
+def _last_done(
+    criteria: list[ResolvedCriterion],
+    histories: Mapping[tuple[str, str], list[GateResult]],
+) -> datetime | None:
+    """The last moment at which each criterion's newest result (then) passed."""
+    newest_first = [histories[(c.phase, c.name)] for c in criteria]
+    if not criteria or not all(newest_first):
+        return None
+    for moment in sorted({r.ended_at for h in newest_first for r in h}, reverse=True):
+        then = [next((r for r in h if r.ended_at <= moment), None) for h in newest_first]
         if all(_passes(c, r) for c, r in zip(criteria, then, strict=True)):
             return moment
     return None

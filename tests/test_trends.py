@@ -141,9 +141,10 @@ def test_rising_toward_the_threshold_gives_a_date_with_a_range(tmp_path: Path) -
     assert datetime.fromisoformat(soon["eta"]) == eta
     status = kdctl("status", "-i", str(inv), "--timeout", "3")
     line = " ".join(status.out.split())
-    assert f"soon: about {eta:%Y-%m-%d}" in line, line
+    assert f"soon: {eta:%Y-%m-%d} if trends hold" in line, line
+    assert f"Soon: about {eta:%Y-%m-%d}" in line, line
     assert "if throughput-parity/throughput:candidate keeps moving +0.00" in line
-    phases = " ".join(kdctl("phases", "-i", str(inv)).out.split())
+    phases = " ".join(kdctl("phases", "-i", str(inv), "--wide").out.split())
     assert f"ETA {eta:%Y-%m-%d}" in phases
 
     # The phase's own forecast is its unmet criteria's latest crossing; a phase with a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import posixpath
+from datetime import datetime, timezone
 from typing import Literal
 
 from pydantic import BaseModel
@@ -11,7 +12,9 @@ from kdctl.errors import TransportError
 from kdctl.inventory import CommandService, SystemdService
 from kdctl.transports import Transport
 
-_SYSTEMD_PROPS = "LoadState,ActiveState,SubState,MainPID,ExecMainStartTimestamp,Result"
+_SYSTEMD_PROPS = (
+    "LoadState,ActiveState,SubState,MainPID,ExecMainStartTimestamp,Result,StateChangeTimestamp"
+)
 
 State = Literal["running", "stopped", "failed", "starting", "unknown"]
 
@@ -22,6 +25,8 @@ class ServiceState(BaseModel):
     state: State
     pid: int | None = None
     detail: str | None = None
+    # When the unit last changed state (started, stopped, failed), by systemd's own clock.
+    since: datetime | None = None
 
 
 def probe_service(
@@ -44,7 +49,11 @@ def _systemd(transport: Transport, service: SystemdService, timeout: float) -> S
     if service.scope == "user":
         argv.append("--user")
     argv += ["show", f"--property={_SYSTEMD_PROPS}", "--no-pager", "--", service.systemd]
-    result = transport.run(argv, timeout=timeout)
+    # Seconds since the epoch (systemd 248 and later): a zone name such as "CET" would not say
+    # which offset it means.
+    result = transport.run([*argv[:-2], "--timestamp=unix", *argv[-2:]], timeout=timeout)
+    if not result.ok and "timestamp" in result.stderr:
+        result = transport.run(argv, timeout=timeout)
     name = service.systemd
     if not result.ok:
         why = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-1]
@@ -69,7 +78,22 @@ def parse_systemd_show(name: str, props: dict[str, str]) -> ServiceState:
     detail = f"{active}/{props.get('SubState', '?')}"
     if props.get("Result") not in (None, "", "success"):
         detail += f", last result {props['Result']}"
-    return ServiceState(kind="systemd", name=name, state=state, pid=pid, detail=detail)
+    since = _timestamp(props.get("StateChangeTimestamp", ""))
+    return ServiceState(kind="systemd", name=name, state=state, pid=pid, detail=detail, since=since)
+
+
+def _timestamp(text: str) -> datetime | None:
+    """systemd's `@SECONDS` (--timestamp=unix), or its default form where the zone is UTC;
+    None for any other zone or an empty value (the unit never changed state)."""
+    text = text.strip()
+    if text.startswith("@") and text[1:].isdigit():
+        return datetime.fromtimestamp(int(text[1:]), tz=timezone.utc)
+    if text.endswith((" UTC", " GMT")):
+        try:
+            return datetime.strptime(text[:-4], "%a %Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+        except ValueError:
+            return None
+    return None
 
 
 def _command(transport: Transport, service: CommandService, timeout: float) -> ServiceState:

@@ -206,6 +206,8 @@ class Soon(BaseModel):
     # The criterion whose crossing comes last (the one that limits the date).
     limited_by: str | None = None
     detail: str
+    # The date was fitted to results whose dates were set, not measured (sandbox history).
+    dated_back: bool = False
 
 
 # Most important first: traffic cannot move to an engine that does not answer; a failure is
@@ -283,7 +285,8 @@ class CutoverAnswer(BaseModel):
         n = len(c.blockers)
         soon = "soon: no forecast"
         if c.soon is not None and c.soon.eta is not None:
-            soon = f"soon: {c.soon.eta:%Y-%m-%d} if trends hold"
+            dated = ", from results dated back" if c.soon.dated_back else ""
+            soon = f"soon: {c.soon.eta:%Y-%m-%d} if trends hold{dated}"
         head = f"Cut over to {c.candidate} now: no; {n} blocker{'s' if n != 1 else ''}"
         first = c.blockers[0].short if c.blockers else "unknown"
         room = 160 - len(head) - len(soon) - len(", first: ; .")
@@ -300,6 +303,8 @@ class PhaseLeft(BaseModel):
     eta: datetime | None = None
     # A phase to re-verify: when it was last done.
     done_at: datetime | None = None
+    # Its forecast was fitted to results whose dates were set, not measured.
+    dated_back: bool = False
 
 
 class Answers(BaseModel):
@@ -385,7 +390,8 @@ def _names(phases: list[PhaseLeft], room: int) -> str:
     counted."""
     shown: list[str] = []
     for i, p in enumerate(phases):
-        word = p.id + (f" ({p.eta:%Y-%m-%d})" if p.eta else "")
+        dated = ", dated back" if p.dated_back else ""
+        word = p.id + (f" (forecast {p.eta:%Y-%m-%d}{dated})" if p.eta else "")
         more = f", +{len(phases) - i - 1} more" if i < len(phases) - 1 else ""
         if shown and len(", ".join([*shown, word])) + len(more) > room:
             return ", ".join(shown) + f", +{len(phases) - i} more"
@@ -532,6 +538,7 @@ def _assess(
                 status=p.status,
                 eta=p.eta,
                 done_at=p.last_done_at if p.status == "to_reverify" else None,
+                dated_back=_dated_back(p),
             )
             for p in (report.remaining if report else [])
         ],
@@ -668,12 +675,17 @@ def _since(
         )
 
 
+def _dated_back(phase: PhaseStatus) -> bool:
+    return phase.eta is not None and any(
+        c.trend is not None and c.trend.note for c in phase.criteria
+    )
+
+
 def _remaining(phase: PhaseStatus) -> str:
     if phase.eta is None:
         return f"{phase.id} ({phase.status})"
     # A forecast fitted to results whose dates were set (sandbox history) says so.
-    dated = any(c.trend is not None and c.trend.note for c in phase.criteria)
-    also = ", from results dated back" if dated else ""
+    also = ", from results dated back" if _dated_back(phase) else ""
     return f"{phase.id} ({phase.status}, forecast {phase.eta:%Y-%m-%d}{also})"
 
 
@@ -705,6 +717,7 @@ def _soon(report: PhaseReport) -> Soon:
         detail=f"about {t.eta:%Y-%m-%d}{span} if {last.phase}/{last.name} keeps moving "
         f"{t.slope_per_day:+.4g}/day ({t.metric} {t.threshold}), the trend holding"
         + (f" ({t.note})" if t.note else ""),
+        dated_back=bool(t.note),
     )
 
 
@@ -821,6 +834,10 @@ def _briefly(answer: ServingAnswer, inv: LoadedInventory) -> None:
             f"{router.host}:{router.listen.rpartition(':')[2]}" if remote else router.listen
         )
     routed = answer.routed
+    if router is None:
+        up = [e.name for e in answer.engines if e.serves]
+        whose = "its own URL" if len(up) == 1 else "their own URLs"
+        answer.who_short = f"{', '.join(up)} on {whose}"
     split = {n: w for n, w in (routed.weights if routed else {}).items() if w > 0}
     if routed is not None and len(split) > 1 and routed.applied is not False:
         answer.who_short = ", ".join(

@@ -174,7 +174,13 @@ def status_report(
     """`kdctl status`: the live probes, then the three answers from the same session, so
     every host is dialled and every engine asked who it is once. An engine in command mode
     is run only with `deep`: otherwise who it is comes from its newest recorded identity."""
-    recorded = None if deep else (lambda name: recorded_identity(store, name))
+    # Read here, once: the session asks from its own threads, and a store is one thread's.
+    known = {
+        name: recorded_identity(store, name)
+        for name, spec in inventory.backends.items()
+        if spec.kind == "native" and spec.mode == "command"
+    }
+    recorded = None if deep else known.get
     with Session(inventory, recorded=recorded) as session:
         report = collect_status(inventory, deadline_s=deadline_s, session=session)
         report.answers = assess(
@@ -186,6 +192,13 @@ def status_report(
             session=session,
         ).answers
         identities = session.identify(inventory.backends, timeout_s=min(deadline_s, 15.0))
+    for b in report.backends:
+        ident = identities.get(b.name)
+        if b.url is None and ident is not None:
+            # A command-mode engine: who it is, as far as this status knows, and from where.
+            b.detail = ident.note if not ident.live else b.detail
+            if ident.provenance.engine_version:
+                b.version = ident.provenance.engine_version + ("" if ident.live else " (recorded)")
     report.gates = latest_verdicts(inventory, store, identities=identities)
     return report
 

@@ -71,6 +71,9 @@ class CriterionStatus(BaseModel):
     # Its history and where it is heading: one trend per numeric requirement, the one that
     # limits it first.
     trend: Trend | None = None
+    # Why a stale result no longer holds, by name (Freshness.changed; "workload", "front",
+    # "identity").
+    stale_by: list[str] = []
 
 
 class PhaseStatus(BaseModel):
@@ -269,9 +272,32 @@ def _only_stale(
     no longer holds: a newer failure is a phase broken, not one to measure again."""
     unmet = [(c, s) for c, s in zip(criteria, statuses, strict=True) if not s.met]
     return bool(unmet) and all(
-        s.state == "stale" and _passes(c, (histories[(c.phase, c.name)] or [None])[0])
+        s.state == "stale"
+        and bool(s.stale_by)
+        and set(s.stale_by) <= _REMEASURE
+        and _passes(c, (histories[(c.phase, c.name)] or [None])[0])
         for c, s in unmet
     )
+
+
+# What makes a pass one to measure again on the same deployment: its age, a new engine build,
+# settings, checkpoint or workload. A result of another machine or model (host, model path)
+# was never a pass here; one whose engine's identity is unknown cannot be placed at all.
+_REMEASURE = frozenset(
+    {
+        "age",
+        "workload",
+        "engine_version",
+        "engine_settings",
+        "config_hash",
+        "weights",
+        "tp_size",
+        "gpus",
+        "baseline_engine_version",
+        "baseline_engine_settings",
+        "baseline_weights",
+    }
+)
 
 
 def _last_done(
@@ -507,26 +533,33 @@ def _criterion(
         "age_s": (now - result.ended_at).total_seconds(),
     }
     values, broken = _require(c, result)
+    stale_by: tuple[str, ...] = ()
     if identity is None:
-        fresh_ok, why = False, "stale: the backend's identity is unknown"
+        fresh_ok, why, stale_by = False, "stale: the backend's identity is unknown", ("identity",)
     else:
         f = freshness(
             result, window=window, current=identity.provenance, now=now, live=identity.live
         )
-        fresh_ok, why = f.fresh, f.reason
+        fresh_ok, why, stale_by = f.fresh, f.reason, f.changed
     if fresh_ok:
         # The settings matched (pinned); the prompts they name may have changed since.
         other = workload_changed(with_settings(inv, c.gate, c.spec.settings), result, memo)
         if other is not None:
-            fresh_ok, why = False, f"stale: {other}"
+            fresh_ok, why, stale_by = False, f"stale: {other}", ("workload",)
     if fresh_ok and front is not None and c.gate == "promotion" and result.verdict == "pass":
         # A promotion says what the router did then; the front says what it does now.
         moved = front.promoted(c.backend)
         if moved is not None:
-            fresh_ok, why = False, f"stale: {moved}"
+            fresh_ok, why, stale_by = False, f"stale: {moved}", ("front",)
     if not fresh_ok:
         return CriterionStatus(
-            **base, **evidence, values=values, met=False, state="stale", reason=why
+            **base,
+            **evidence,
+            values=values,
+            met=False,
+            state="stale",
+            reason=why,
+            stale_by=list(stale_by),
         )
     if evidence["verdict"] != "pass":
         # The summary and the first concrete finding (a divergence, a broken SLO).

@@ -459,5 +459,7 @@ def test_ct200_roadmap_with_imported_evidence(
     # The router's name does not resolve from here: unknown, never "sglang" from the inventory.
     assert "1. Serving now: unknown (the router on ct200:8000 could not be asked" in status.out
     said = " ".join(status.out.split())
-    assert "Cut over to native now: no; soon: no forecast for " in said
-    assert "; blocked by native-core/core-exact: stale" in said
+    assert "3. Cut over to native now: no; " in said and "; soon: no forecast." in said
+    # The blocker that matters comes first: the candidate does not answer.
+    assert ", first: native is not answering;" in said, said
+    assert "native-core: core-exact: stale: deployment changed: model_path" in said, said

@@ -132,12 +132,15 @@ def test_the_demo_tells_the_whole_story(
     codes = {cmd.split(" --dir")[0].split(" -o")[0]: int(code) for cmd, code in steps}
     assert codes["kdctl cutover --to candidate-int4 --yes"] == 1, out[-3000:]
     assert codes["kdctl sandbox down"] == 0, out[-3000:]
+    assert "1. Serving now: baseline through nginx on 127.0.0.1:8000; speed: the baseline." in out
     assert re.search(
-        r"Serving now: baseline through nginx on 127\.0\.0\.1:8000 "
-        r"\(answered /generate in \d+ ms\)",
+        r"Serving: baseline through nginx on 127\.0\.0\.1:8000 \(answered /generate in \d+ ms\)",
         out,
     )
-    assert "speed: the baseline." in out
+    # The three answers a lead reads at a glance: each within 160 characters, every time.
+    answers = re.findall(r"^([123])\. (.*)$", out, re.M)
+    assert len(answers) >= 9, out[:3000]
+    assert all(len(f"{n}. {text}") <= 160 for n, text in answers), answers
     assert re.search(
         r"cutover to candidate-int4 refused: exact/exactness:candidate-int4: fail", out
     )
@@ -178,9 +181,19 @@ def _the_canary_and_its_rollback(out: str, codes: dict[str, int]) -> None:
     assert codes["kdctl cutover --to candidate --watch 5 --yes"] == 0, out[-3000:]
     assert codes["kdctl rollback --yes"] == 0, out[-3000:]
     assert re.search(r"cutover \w+: succeeded; router now sends \{'candidate': 100\}", out)
-    assert re.search(r"Serving now: candidate through nginx on 127\.0\.0\.1:8000 \(answered", out)
+    assert re.search(
+        r"1\. Serving now: candidate through nginx on 127\.0\.0\.1:8000 since "
+        r"\d{4}-\d\d-\d\d \d\d:\d\d; speed: yes, [\d.]+x baseline\.",
+        out,
+    )
+    # After the cutover, answer 3 says who serves all traffic, since when, not "cut over now".
+    assert re.search(
+        r"3\. Cut over to candidate: done; it serves all traffic since \d{4}-\d\d-\d\d "
+        r"\d\d:\d\d \(cutover \w+\)",
+        out,
+    )
     # A terminal table wraps the long line; the words are what count.
-    assert re.search(r"speed: [\d.]+x baseline on\s+throughput:candidate's\s+workload", out)
+    assert re.search(r"Speed: [\d.]+x baseline on\s+throughput:candidate's\s+workload", out)
     words = r"\s+".join
     assert re.search(
         words(["decoding", "speculatively", "with", r"[\d.]+", "tokens", "accepted"]), out
@@ -189,9 +202,7 @@ def _the_canary_and_its_rollback(out: str, codes: dict[str, int]) -> None:
     # The INT4 phase is left, with the forecast its builds' trend gives (sandbox history),
     # saying that the builds' dates were set, not measured.
     assert re.search(
-        r"2\. Phases remaining \(1\): int4 \(remaining, forecast \d{4}-\d\d-\d\d, from "
-        r"results dated back\)",
-        out,
+        r"2\. Phases remaining \(1\): int4 \(forecast \d{4}-\d\d-\d\d, dated back\)\.", out
     )
     # The row wraps in a terminal table; its cells hold the words.
     assert re.search(r"promotion:candidate │ fail [\s\S]{0,800}?rolled back to", out)

@@ -141,7 +141,13 @@ class Front:
         # Exit codes agree with answer 3, whatever the text around it.
         can = docs["phases"]["cutover"]["can_cut_over"]
         assert phases.code == report.code == (0 if can else 1), (phases.code, report.code)
-        return {"serving": docs["status"]["serving"], "line": line1[0], "cutover": can}
+        said = line1[0] + " " + _details(status_text.out)
+        return {
+            "serving": docs["status"]["serving"],
+            "line": line1[0],
+            "said": said,
+            "cutover": can,
+        }
 
 
 def _stable(serving: dict[str, Any]) -> dict[str, Any]:
@@ -154,6 +160,14 @@ def _line1(text: str) -> str:
     start = text.index("Serving now:")
     end = text.index("2. Phases", start)
     return "1. " + " ".join(text[start:end].split())
+
+
+def _details(text: str) -> str:
+    """What status prints below the three answers of who serves: the probe's whole detail and
+    the speed, unwrapped."""
+    start = text.index("\nServing: ") + 1
+    end = text.index("\nHosts", start)
+    return " ".join(text[start:end].split())
 
 
 def _words(line: str) -> str:
@@ -209,10 +223,12 @@ def test_baseline_stopped_router_up_is_nothing(
     assert s["routed"]["weights"] == {"baseline": 100}
     assert "intended" in s["routed"]["source"]
     assert s["speed_optimized"] is None
-    assert got["line"].startswith("1. Serving now: nothing.")
-    assert "no engine behind it answered" in got["line"]
-    assert "baseline (weight 100) is down (connection refused)" in got["line"]
-    assert "candidate is up and receives no traffic" in got["line"]
+    assert got["line"] == "1. Serving now: nothing (the router on 127.0.0.1:" + str(front.port) + (
+        " answered HTTP 502: no engine behind it answered; baseline down)."
+    ), got["line"]
+    assert "no engine behind it answered" in got["said"]
+    assert "baseline (weight 100) is down (connection refused)" in got["said"]
+    assert "candidate is up and receives no traffic" in got["said"]
 
 
 @pytest.fixture
@@ -245,8 +261,8 @@ def test_an_engine_that_fails_every_generation_serves_nothing(
     s = got["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None), s
     assert s["front"]["route"] == "/generate" and s["front"]["status_code"] == 500
-    assert "answered HTTP 500 to /generate" in got["line"], got["line"]
-    assert "a one-token generation fails" in got["line"], got["line"]
+    assert "answered HTTP 500 to /generate" in got["said"], got["line"]
+    assert "a one-token generation fails" in got["said"], got["line"]
     assert got["cutover"] is False
 
 
@@ -320,8 +336,8 @@ def test_router_stopped_is_nothing_even_with_engines_up(
     s = got["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
     assert s["routed"]["weights"] == {"baseline": 100}
-    assert f"The router on 127.0.0.1:{front.port} refuses connections" in got["line"]
-    assert "baseline" not in got["line"].split("Serving now:")[1].split(".")[0]
+    assert f"The router on 127.0.0.1:{front.port} refuses connections" in got["said"]
+    assert "baseline" not in got["said"].split("Serving: ")[1].split(".")[0]
 
 
 def test_both_stopped_is_nothing(tmp_path: Path, need_nginx: str, closed_port: str) -> None:
@@ -332,8 +348,8 @@ def test_both_stopped_is_nothing(tmp_path: Path, need_nginx: str, closed_port: s
     got = front.ask()
     s = got["serving"]
     assert (s["state"], s["answered"]) == ("nothing", False)
-    assert "refuses connections" in got["line"]
-    assert "baseline (weight 100) is down" in got["line"]
+    assert "refuses connections" in got["said"]
+    assert "baseline (weight 100) is down" in got["said"]
     assert got["cutover"] is False
 
 
@@ -347,11 +363,14 @@ def test_candidate_up_but_routed_nothing(
     assert (s["state"], s["answered"], s["backend"]) == ("serving", True, "baseline")
     assert s["front"]["route"] == "/generate" and s["front"]["status_code"] == 200
     assert s["speed_optimized"] == "baseline"
-    assert got["line"].startswith(
-        f"1. Serving now: baseline through nginx on 127.0.0.1:{front.port} (answered /generate in"
+    assert got["line"] == (
+        f"1. Serving now: baseline through nginx on 127.0.0.1:{front.port}; speed: the baseline."
     )
-    assert "candidate is up and receives no traffic" in got["line"]
-    assert got["line"].endswith("speed: the baseline.")
+    assert (
+        f"Serving: baseline through nginx on 127.0.0.1:{front.port} (answered /generate in"
+        in (got["said"])
+    )
+    assert "candidate is up and receives no traffic" in got["said"]
 
 
 def test_a_split_says_so_and_judges_the_engine_carrying_most(
@@ -392,10 +411,10 @@ def test_hand_edited_config_reports_what_runs(
     s = written["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("serving", True, "baseline")
     assert s["routed"]["weights"] == {"candidate": 100}
-    assert "written, not applied" in written["line"]
+    assert "written, not applied" in written["said"]
     s = applied["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
-    assert "candidate (weight 100) is down" in applied["line"]
+    assert "candidate (weight 100) is down" in applied["said"]
 
 
 def test_rollback_to_an_engine_that_does_not_answer_is_not_said_done(
@@ -451,8 +470,8 @@ def test_no_router_reports_which_engines_answer(
         "baseline",
         None,
     )
-    assert "no router in the inventory; answering on their own URLs: baseline" in got["line"]
-    assert "candidate is down" in got["line"]
+    assert "no router in the inventory; answering on their own URLs: baseline" in got["said"]
+    assert "candidate is down" in got["said"]
 
 
 def test_engine_that_never_answers_ends_within_the_deadline(
@@ -523,12 +542,12 @@ def test_speed_comes_from_the_roadmaps_criterion_only(
         "candidate",
         "unmeasured",
     )
-    assert "unmeasured by throughput:candidate" in unmeasured["line"]
+    assert "unmeasured by throughput:candidate" in unmeasured["said"]
     s = measured["serving"]
     assert (s["backend"], s["speed_optimized"]) == ("candidate", "yes")
     assert s["speed_criterion"] == "throughput:candidate" and s["evidence_id"]
     assert (
-        "x baseline on throughput:candidate's workload (needs *.ratio >= 0.05" in measured["line"]
+        "x baseline on throughput:candidate's workload (needs *.ratio >= 0.05" in measured["said"]
     )
 
 

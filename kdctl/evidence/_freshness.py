@@ -42,6 +42,9 @@ class Freshness:
     fresh: bool
     reason: str
     age: timedelta
+    # Why it is stale, by name: "age" (older than the window), "future" (ended after now), or
+    # each identity field that changed.
+    changed: tuple[str, ...] = ()
 
 
 def age_text(delta: timedelta) -> str:
@@ -89,15 +92,19 @@ def freshness(
     """
     age = (now or utcnow()) - result.ended_at
     if age > window:
-        return Freshness(False, f"stale: {age_text(age)} old, window {age_text(window)}", age)
+        return Freshness(
+            False, f"stale: {age_text(age)} old, window {age_text(window)}", age, ("age",)
+        )
     if age < timedelta(0):
-        return Freshness(False, "stale: ended in the future (clock skew?)", age)
+        return Freshness(False, "stale: ended in the future (clock skew?)", age, ("future",))
     changed = []
+    fields: list[str] = []
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
         if name in _BOUND and then is None and now_value is not None and _names(result, name):
             what = _OWED.get(name.removeprefix("baseline_"), "a fingerprint")
             changed.append(f"{name}: recorded without {what}, now {now_value}")
+            fields.append(name)
             continue
         if then in (None, []):
             continue
@@ -106,6 +113,7 @@ def freshness(
             # compares with a baseline asks for its identity.
             continue
         if then != now_value:
+            fields.append(name)
             if name.endswith("engine_settings"):
                 baseline = name.startswith("baseline_")
                 changed.append(result.provenance.settings_change(current, baseline=baseline))
@@ -113,5 +121,7 @@ def freshness(
             shown_now = "unknown" if now_value in (None, []) else now_value
             changed.append(f"{name} {then} -> {shown_now}")
     if changed:
-        return Freshness(False, "stale: deployment changed: " + "; ".join(changed), age)
+        return Freshness(
+            False, "stale: deployment changed: " + "; ".join(changed), age, tuple(fields)
+        )
     return Freshness(True, f"fresh: {age_text(age)} old, window {age_text(window)}", age)

@@ -11,6 +11,7 @@ from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from kdctl import __version__
+from kdctl._httpclient import http_path
 from kdctl.backends import Backend, EngineInfo
 from kdctl.errors import InputError, KdctlError
 from kdctl.inventory import LoadedInventory
@@ -180,6 +181,8 @@ def provenance_for(
         tp_size=identity["tp_size"],
         workload_hash=workload,
         kdctl_version=__version__,
+        # The path this command's requests to it took, where they took one.
+        http_path=http_path(spec.url),
     ).with_settings(info.settings if info else None)
 
 

@@ -404,6 +404,8 @@ def judge(
     findings: list[str] = []
     # Runs that did not produce the output length asked: their figures are of another workload.
     short: list[str] = []
+    # Runs whose requests took another path than the baseline's (SSH against direct).
+    across: list[str] = []
     decided = False
     base_by = {b.max_concurrency: b for b in base_points or []}
     for p in points:
@@ -490,12 +492,16 @@ def judge(
         # Two runs of different output lengths are not one workload: their ratio is shown,
         # not judged, either way (see `short`).
         unequal = bool(p.short_outputs or (base is not None and base.short_outputs))
+        paths = _across_paths(p, base, backend)
+        if paths:
+            across.append(f"{at}: {paths}")
+        unjudged = unequal or paths is not None
         metrics.append(
             Metric(
                 name=f"{c}.ratio",
                 value=ratio,
-                threshold=None if unequal else settings.min_ratio,
-                comparison=None if unequal else ">=",
+                threshold=None if unjudged else settings.min_ratio,
+                comparison=None if unjudged else ">=",
             )
         )
         if base is None or not usable:
@@ -517,10 +523,13 @@ def judge(
         if unequal:
             reasons.append(f"{line}, not judged: the outputs were of other lengths")
             continue
+        if paths:
+            reasons.append(f"{line}, not judged: the two runs took other paths")
+            continue
         (reasons if word == "holds" else findings).append(line)
     verdict = decide(metrics, findings)
-    if short:
-        reasons = short + reasons
+    if short or across:
+        reasons = short + across + reasons
         if verdict == "pass":
             verdict = "inconclusive"
     if verdict == "pass" and not decided:
@@ -543,6 +552,26 @@ def judge(
             "text corpus) to judge speed",
         )
     return metrics, findings + reasons, verdict
+
+
+def _path_words(path: str | None) -> str:
+    # Runs recorded before paths were said went directly: kdctl had no other path then.
+    if path is None or path == "direct":
+        return "directly"
+    return f"through SSH to {path.removeprefix('ssh:')}"
+
+
+def _across_paths(run: BenchMetrics, base: BenchMetrics | None, backend: str) -> str | None:
+    """Why a run and its baseline's took paths that make their ratio no comparison (one
+    through an SSH tunnel, which costs throughput and latency of its own, one directly), or
+    None where both took the same one."""
+    if base is None or _path_words(run.http_path) == _path_words(base.http_path):
+        return None
+    return (
+        f"{backend} was measured {_path_words(run.http_path)} and the baseline "
+        f"{_path_words(base.http_path)}: the tunnel's own cost is in one figure only, so the "
+        "ratio is shown, not judged (measure both the same way, e.g. http: ssh on both hosts)"
+    )
 
 
 def _unmeasured_why(stat: str) -> str:

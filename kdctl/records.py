@@ -122,6 +122,10 @@ class Provenance(BaseModel):
     engine_settings_named: dict[str, Any] | None = None
     baseline_engine_settings: str | None = None
     baseline_engine_settings_named: dict[str, Any] | None = None
+    # How kdctl's requests reached the engine: "direct", or "ssh:HOST" through a channel of
+    # HOST's SSH connection. Not identity: the same engine measured either way; but a figure
+    # measured through a tunnel carries the tunnel's cost, so comparisons say which it was.
+    http_path: str | None = None
 
     def with_settings(self, settings: dict[str, Any] | None) -> Provenance:
         if settings is None:
@@ -217,6 +221,7 @@ _BOUND = (
     "engine_settings_named",
     "baseline_engine_settings",
     "baseline_engine_settings_named",
+    "http_path",
 )
 # SGLang's names for the settings asked about first: speculative decoding, precision,
 # parallelism, batching, attention.

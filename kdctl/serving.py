@@ -16,7 +16,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, SecretStr
 
-from kdctl._httpclient import http_client
+from kdctl._httpclient import direct_failure, http_client, origin_of, reach
 from kdctl.backends import GenerateRequest, HealthResult, make_backend, probe_health
 from kdctl.backends.errors import (
     BackendAuthError,
@@ -30,6 +30,7 @@ from kdctl.backends.health import BackendState
 from kdctl.errors import KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
+from kdctl.probes.listening import probe_listening
 from kdctl.session import Session, using
 from kdctl.traffic import BACKEND_HEADER, front_url, make_router
 
@@ -71,6 +72,8 @@ class FrontAnswer(BaseModel):
     status_code: int | None = None
     latency_ms: float | None = None
     detail: str
+    # How the request travelled where it went through SSH ("reached through SSH to box").
+    reached: str | None = None
 
 
 class EngineAnswer(BaseModel):
@@ -86,6 +89,11 @@ class EngineAnswer(BaseModel):
     latency_ms: float | None = None
     detail: str | None = None
     service: str | None = None
+    # How the requests travelled where they went through SSH ("reached through SSH to box").
+    reached: str | None = None
+    # Its URL refuses or times out from here while its host shows it running: whether it
+    # serves anyone is not known from here (detail says why), which is not "down".
+    unreachable: bool = False
 
     @property
     def serves(self) -> bool:
@@ -134,7 +142,8 @@ def probe_serving(
             generated, detail = (
                 _generate_once(s, name, client, timeout_s) if h.state == "up" else (None, None)
             )
-            return EngineAnswer(
+            way = reach(url)
+            answer = EngineAnswer(
                 name=name,
                 weight=weight,
                 state=h.state,
@@ -142,7 +151,21 @@ def probe_serving(
                 latency_ms=h.latency_ms,
                 detail=detail or h.detail,
                 service=_service_text(svc) if svc else None,
+                reached=way.note if way is not None else None,
             )
+            if h.status_code is None and h.state in ("down", "unknown"):
+                why = _out_of_reach(
+                    s,
+                    url,
+                    inv.backends[name].host,
+                    h.detail or h.state,
+                    timed_out=h.state == "unknown",
+                    service=svc,
+                    timeout_s=timeout_s,
+                )
+                if why is not None:
+                    answer.state, answer.detail, answer.unreachable = "unknown", why, True
+            return answer
 
         def ask_all(names: Mapping[str, int]) -> list[EngineAnswer]:
             with ThreadPoolExecutor(max_workers=8) as pool:
@@ -181,7 +204,67 @@ def probe_serving(
             timeout_s,
             routed.unknown_workers(inv),
         )
+        front = _front_reach(s, front, spec.host, timeout_s)
     return _judge(inv, spec.kind, spec.listen, spec.host, routed, front, engines)
+
+
+def _out_of_reach(
+    s: Session,
+    url: str,
+    host: str,
+    failure: str,
+    *,
+    timed_out: bool,
+    service: ServiceState | None,
+    timeout_s: float,
+) -> str | None:
+    """Why a URL that refused or timed out from here is out of reach rather than down: its
+    host shows the service running or a socket listening on the URL's port. None where the
+    host says nothing runs, or could not say, or the failure is the box's own answer (through
+    the tunnel the box itself tried and nobody listens), or where a plain connect succeeds
+    (a timeout then is an engine that accepts and never answers: hung, not out of reach)."""
+    if s.inventory.hosts[host].transport != "ssh":
+        return None  # from here is from there: a refusal is the host's own answer
+    way = reach(url)
+    if way is not None and way.box_said is not None:
+        return None
+    if timed_out:
+        if way is not None and way.path == "ssh" and way.tunnel_error is None:
+            return None  # the tunnel carried it: the engine took it and did not answer
+        if (way is None or way.path == "direct") and direct_failure(url) is None:
+            return None
+    seen = probe_listening(s.transport(host), origin_of(url)[2], timeout=max(timeout_s, 5.0))
+    running = service is not None and service.state == "running"
+    if seen.listening:
+        evidence = f"a socket listens on {', '.join(seen.addresses)} on {host}"
+        if service is not None and running:
+            evidence += f" and its service is running ({_service_text(service)})"
+    elif seen.listening is None and service is not None and running:
+        evidence = f"its service is running ({_service_text(service)})"
+    else:
+        # Nothing listens there (an engine still loading listens only once loaded), or the
+        # host could say nothing: not known to be out of reach.
+        return None
+    tunnel = f" (no tunnel: {way.tunnel_error})" if way is not None and way.tunnel_error else ""
+    return f"unreachable from here: {failure}{tunnel}, while {evidence}"
+
+
+def _front_reach(s: Session, front: FrontAnswer, host: str, timeout_s: float) -> FrontAnswer:
+    """The front door's answer, with how it was reached, and where it refused or timed out
+    from here while its host shows a socket listening on its port, not known to serve or not
+    (an unreachable front is not a router that refuses)."""
+    way = reach(front.url)
+    front = front.model_copy(update={"reached": way.note if way is not None else None})
+    if front.answered is not False or front.status_code is not None:
+        return front
+    timed_out = front.detail.startswith("did not answer")
+    failure = f"no answer within {timeout_s:g}s" if timed_out else "connection refused"
+    why = _out_of_reach(
+        s, front.url, host, failure, timed_out=timed_out, service=None, timeout_s=timeout_s
+    )
+    if why is None:
+        return front
+    return front.model_copy(update={"answered": None, "detail": f"it is {why}"})
 
 
 def _generate_once(
@@ -385,7 +468,7 @@ def _backend_at(inv: LoadedInventory, address: str) -> str | None:
 
 
 def _without_router(engines: list[EngineAnswer]) -> ServingProbe:
-    up = [e.name for e in engines if e.serves]
+    up = [e.name + (f" ({e.reached})" if e.reached else "") for e in engines if e.serves]
     others = [f"{e.name} is {_engine_words(e)}" for e in engines if not e.serves]
     if up:
         detail = (
@@ -393,12 +476,21 @@ def _without_router(engines: list[EngineAnswer]) -> ServingProbe:
             + ", ".join(up)
             + ("; " + "; ".join(others) if others else "")
         )
+        serving = [e.name for e in engines if e.serves]
         return ServingProbe(
             state="serving",
             answered=True,
-            backend=up[0] if len(up) == 1 else None,
+            backend=serving[0] if len(serving) == 1 else None,
             engines=engines,
             detail=detail,
+        )
+    if any(e.unreachable for e in engines):
+        # One that may be serving cannot be seen from here: "nothing" would be a guess.
+        return ServingProbe(
+            state="unknown",
+            answered=None,
+            engines=engines,
+            detail="no router in the inventory, and no engine answers here; " + "; ".join(others),
         )
     return ServingProbe(
         state="nothing",
@@ -410,6 +502,8 @@ def _without_router(engines: list[EngineAnswer]) -> ServingProbe:
 
 
 def _engine_words(e: EngineAnswer) -> str:
+    if e.unreachable and e.detail:
+        return e.detail
     words = {"up": "up", "down": "down", "starting": "not ready", "unknown": "not answering"}
     text = "up, not generating" if e.state == "up" and e.generated is False else words[e.state]
     why = [w for w in (e.detail, e.service) if w]
@@ -479,7 +573,8 @@ def _judge(
                 "not applied",
             )
         by = who or "an engine the router does not name"
-        head = f"{by} through {kind} on {where} ({front.detail})"
+        how = f"; {front.reached}" if front.reached else ""
+        head = f"{by} through {kind} on {where} ({front.detail}{how})"
         if broken and not stray:
             return ServingProbe(
                 state="degraded",

@@ -4,6 +4,10 @@ As an httpx `Client` owns its connection pool, a `Session` owns one transport pe
 hands out backends bound to them. Status, the assessment, gates, cutover and rollback take the
 same one, so a command opens one SSH connection per host and asks each engine who it is once
 (again only after the command itself started or stopped it).
+
+It also says how HTTP reaches each SSH host's engines and router (the host's `http:`): their
+URLs are registered with kdctl's HTTP clients for the life of the session, carried where needed
+by channels of the same one connection per host (kdctl/_httpclient.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from types import TracebackType
 
 import httpx
 
+from kdctl._httpclient import ChannelOpener, TcpChannel, Tunnels
 from kdctl.backends import Backend, HttpBackend, make_backend
 from kdctl.checks import Baseline, GateResult, Provenance, provenance_for
 from kdctl.errors import InputError, KdctlError
@@ -48,6 +53,45 @@ class Session:
         self._identities: dict[str, Identity] = {}
         self.binder = Binder(self)
         self.recorded = recorded
+        self.tunnels = Tunnels()
+        try:
+            self._route_http()
+        except InputError:
+            self.tunnels.close()
+            raise
+
+    def _route_http(self) -> None:
+        """Register every engine's and the router's URL on a host whose HTTP may go through
+        its SSH connection; nothing is dialled until a request is sent."""
+        inv = self.inventory
+        places = [(b.url, b.host) for b in inv.backends.values() if b.url]
+        router = inv.spec.router
+        if router is not None:
+            places.append((router.front_url(inv.hosts[router.host]), router.host))
+        # Places reached directly first: a tunnel that would take one of their URLs is refused.
+        for url, host in sorted(places, key=lambda p: self._tunnelled(p[1])):
+            spec = inv.hosts[host]
+            if not self._tunnelled(host):
+                self.tunnels.claim(url, host)
+                continue
+            assert spec.http != "direct"
+            self.tunnels.add(
+                url,
+                via=host,
+                mode=spec.http,
+                ssh_address=spec.address,
+                opener=self._opener(host),
+            )
+
+    def _tunnelled(self, host: str) -> bool:
+        spec = self.inventory.hosts[host]
+        return spec.transport == "ssh" and spec.http != "direct"
+
+    def _opener(self, host: str) -> ChannelOpener:
+        def open_channel(address: str, port: int, timeout: float) -> TcpChannel:
+            return self.pool.get(host).open_channel(address, port, timeout=timeout)
+
+        return open_channel
 
     def transport(self, host: str) -> Transport:
         return self.pool.get(host)
@@ -147,6 +191,7 @@ class Session:
         )
 
     def close(self) -> None:
+        self.tunnels.close()
         self.pool.close()
 
     def __enter__(self) -> Session:

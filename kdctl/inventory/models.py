@@ -22,6 +22,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -124,6 +125,21 @@ class HostSpec(_Model):
     connect_timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
     gpus: Annotated[int, Field(ge=0)] = 0
     gpu_model: str | None = None
+    # How kdctl's HTTP reaches this host's engines and router: `direct` to their URLs, `ssh`
+    # through a channel of the SSH connection kdctl holds (the box's sshd dials the URL, so
+    # 127.0.0.1 there is the box's own loopback), `auto`: direct, falling back to SSH where a
+    # URL cannot be reached from here and the host is an SSH host, saying so.
+    http: Literal["auto", "direct", "ssh"] = "auto"
+
+    @field_validator("http")
+    @classmethod
+    def _http_needs_ssh(cls, value: str, info: ValidationInfo) -> str:
+        if value == "ssh" and info.data.get("transport") != "ssh":
+            raise ValueError(
+                "http: ssh sends HTTP through the host's SSH connection, which needs "
+                "transport: ssh (a local host's URLs are reached directly)"
+            )
+        return value
 
     @property
     def target(self) -> str:
@@ -286,6 +302,15 @@ class RouterSpec(_Model):
     # Client connections are not kept alive through the front: a request sent on an idle
     # kept-alive connection as a reload closes it fails (6 in 625 measured; 0 without).
     keepalive: bool = False
+
+    def front_url(self, host: HostSpec) -> str:
+        """Where clients reach the router: its listen address, a wildcard one taken as its
+        host's (`host`, the spec of the host it runs on)."""
+        address, _, port = self.listen.rpartition(":")
+        address = address.strip("[]")
+        if address in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on
+            address = "127.0.0.1" if host.transport == "local" else (host.address or "127.0.0.1")
+        return f"http://{address}:{port}"
 
 
 class ThroughputWorkload(_Model):

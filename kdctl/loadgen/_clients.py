@@ -64,10 +64,21 @@ class LineSplitter:
 class StreamClient(abc.ABC):
     name: ClassVar[str]
 
-    def __init__(self, headers: dict[str, str], *, connections: int, timeout: float) -> None:
+    def __init__(
+        self,
+        headers: dict[str, str],
+        *,
+        connections: int,
+        timeout: float,
+        unix_socket: str | None = None,
+    ) -> None:
+        """`unix_socket`: where the engine's origin is carried through SSH, the local socket
+        of that tunnel (kdctl._httpclient.tunnel_socket), for a client that cannot be given
+        kdctl's own connects."""
         self.headers = {"Accept": "text/event-stream", **headers}
         self.connections = connections
         self.timeout = timeout
+        self.unix_socket = unix_socket
 
     @abc.abstractmethod
     def lines(self, url: str, body: dict[str, Any]) -> AsyncGenerator[list[str], None]:
@@ -87,11 +98,19 @@ class StreamClient(abc.ABC):
 class HttpxClient(StreamClient):
     name = "httpx"
 
-    def __init__(self, headers: dict[str, str], *, connections: int, timeout: float) -> None:
+    def __init__(
+        self,
+        headers: dict[str, str],
+        *,
+        connections: int,
+        timeout: float,
+        unix_socket: str | None = None,
+    ) -> None:
         import httpx
 
         from kdctl._httpclient import async_http_client
 
+        # kdctl's own client takes the tunnel from the registry: `unix_socket` is not needed.
         super().__init__(headers, connections=connections, timeout=timeout)
         self._httpx = httpx
         self._client = async_http_client(connections=connections, timeout=httpx.Timeout(timeout))
@@ -125,13 +144,25 @@ class HttpxClient(StreamClient):
 class AiohttpClient(StreamClient):
     name = "aiohttp"
 
-    def __init__(self, headers: dict[str, str], *, connections: int, timeout: float) -> None:
+    def __init__(
+        self,
+        headers: dict[str, str],
+        *,
+        connections: int,
+        timeout: float,
+        unix_socket: str | None = None,
+    ) -> None:
         import aiohttp
 
-        super().__init__(headers, connections=connections, timeout=timeout)
+        super().__init__(headers, connections=connections, timeout=timeout, unix_socket=unix_socket)
         self._aiohttp = aiohttp
+        connector = (
+            aiohttp.UnixConnector(path=unix_socket, limit=connections)
+            if unix_socket is not None
+            else aiohttp.TCPConnector(limit=connections)
+        )
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=connections),
+            connector=connector,
             # A limit on the whole request, as vLLM's and SGLang's bench clients set it: a limit
             # on each read re-arms a timer for every chunk, which cost about a tenth of the
             # client's time per token.

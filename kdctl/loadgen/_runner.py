@@ -12,11 +12,15 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from kdctl._httpclient import http_path, tunnel_failure, tunnel_socket
 from kdctl.backends import DONE, GenerateRequest, HttpBackend, sse_data
 from kdctl.backends.errors import BackendError
 from kdctl.backends.health import bearer
 from kdctl.loadgen._clients import RequestFailed, StreamClient, client_class
 from kdctl.loadgen._stats import SLO, BenchMetrics, RequestRecord
+
+# The longest the tunnel's socket waits for a channel of the SSH connection to open.
+_CHANNEL_OPEN_S = 30.0
 
 # (requests finished, requests in the run): called on the event loop after each one.
 Progress = Callable[[int, int], None]
@@ -141,7 +145,17 @@ async def _run(
     on_progress: Progress | None,
 ) -> tuple[list[RequestRecord], float, str]:
     cls = client_class(plan.client)
-    client = cls(bearer(backend.api_key), connections=plan.max_concurrency, timeout=plan.timeout_s)
+    # Through SSH where the engine's host says so: a client that takes no network backend
+    # (aiohttp) connects to the tunnel's local socket instead. Deciding may dial: off the loop.
+    via = await asyncio.to_thread(
+        tunnel_socket, backend.http.base_url, min(plan.timeout_s, _CHANNEL_OPEN_S)
+    )
+    client = cls(
+        bearer(backend.api_key),
+        connections=plan.max_concurrency,
+        timeout=plan.timeout_s,
+        unix_socket=via,
+    )
     gate = asyncio.Semaphore(plan.max_concurrency)
     froze = False
 
@@ -198,6 +212,12 @@ def run_load(
 ) -> BenchMetrics:
     """Send `requests` through the backend's own streaming protocol and measure them."""
     records, duration, client = asyncio.run(_run(backend, requests, plan, on_progress))
+    why = tunnel_failure(backend.http.base_url)
+    if why is not None:
+        # A request the tunnel could not carry saw its connection close unanswered.
+        for rec in records:
+            if rec.error is not None and not rec.ok:
+                rec.error = f"{rec.error} ({why})"
     return BenchMetrics.of(
         records,
         duration,
@@ -207,4 +227,5 @@ def run_load(
         client=client,
         output_len=plan.output_len,
         slo=plan.slo,
+        http_path=http_path(backend.http.base_url),
     )

@@ -175,6 +175,9 @@ class BenchMetrics(BaseModel):
     # Requests that stopped before the asked output length although `ignore_eos` was set.
     short_outputs: int = 0
     errors: list[str] = []
+    # How the requests reached the engine: "direct", or "ssh:HOST" through a channel of
+    # HOST's SSH connection (kdctl/_httpclient.py); None in runs recorded before it was said.
+    http_path: str | None = None
 
     @classmethod
     def of(
@@ -188,6 +191,7 @@ class BenchMetrics(BaseModel):
         client: str,
         output_len: int | None,
         slo: SLO | None,
+        http_path: str | None = None,
     ) -> BenchMetrics:
         done = [r for r in records if r.ok]
         failed = [r for r in records if not r.ok]
@@ -231,6 +235,7 @@ class BenchMetrics(BaseModel):
                 1 for r in done if output_len is not None and r.output_tokens < output_len
             ),
             errors=distinct_errors[:10],
+            http_path=http_path,
         )
 
 

@@ -102,12 +102,7 @@ class Router(abc.ABC):
 
 def front_url(inv: LoadedInventory, spec: RouterSpec) -> str:
     """Where clients reach the router: its listen address, a wildcard one taken as the host's."""
-    host, _, port = spec.listen.rpartition(":")
-    host = host.strip("[]")
-    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on, not binds
-        h = inv.hosts[spec.host]
-        host = "127.0.0.1" if h.transport == "local" else (h.address or "127.0.0.1")
-    return f"http://{host}:{port}"
+    return spec.front_url(inv.hosts[spec.host])
 
 
 def check_weights(inv: LoadedInventory, weights: dict[str, int]) -> None:

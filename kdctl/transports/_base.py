@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdctl._httpclient import TcpChannel
 from kdctl.errors import TransportError
 
 
@@ -63,6 +64,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def get(self, remote: str, local: Path) -> None:
         """Copy a file from the host."""
+
+    def open_channel(self, host: str, port: int, *, timeout: float) -> TcpChannel:
+        """A TCP connection to host:port as this host dials it, carried by the connection to
+        the host (an SSH channel): TransportError where there is none to carry it, OSError
+        (ConnectionRefusedError, TimeoutError) where the host tried and could not connect."""
+        raise TransportError(
+            self.name, "this transport carries no TCP connections: http: ssh needs transport: ssh"
+        )
 
     def close(self) -> None:  # noqa: B027 - most transports hold nothing open
         """Release the connection, if any."""

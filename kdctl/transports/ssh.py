@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import posixpath
 import re
@@ -12,12 +13,18 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko
+from paramiko.common import (
+    OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED,
+    OPEN_FAILED_CONNECT_FAILED,
+)
 
+from kdctl._httpclient import TcpChannel
 from kdctl.errors import CommandTimeout, HostKeyError, TransportError
 from kdctl.inventory.models import HostSpec
 from kdctl.transports._base import CommandResult, Transport
@@ -26,6 +33,27 @@ KEEPALIVE_S = 15
 # The remote `timeout` ends the command itself; the local deadline is a little later so the
 # remote side normally wins and nothing is left running there.
 _REMOTE_GRACE_S = 2.0
+
+
+# paramiko logs a channel the server would not open as an ERROR, which Python's last-resort
+# handler prints on kdctl's stderr; kdctl says it itself, in the words of the host's sshd, which
+# only that log line holds ("Connection refused"; paramiko's exception says "Connect failed").
+_LOG_CHANNEL = "paramiko.transport.kdctl"
+_OPEN_FAILED = re.compile(r"open FAILED: (.*): [^:]*$")
+# The transport thread that logged it -> what sshd said, read by the thread that asked.
+_refusals: weakref.WeakKeyDictionary[threading.Thread, str] = weakref.WeakKeyDictionary()
+
+
+class _ChannelRefusals(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = _OPEN_FAILED.search(record.getMessage())
+        if said is None:
+            return True
+        _refusals[threading.current_thread()] = said.group(1)
+        return False
+
+
+logging.getLogger(_LOG_CHANNEL).addFilter(_ChannelRefusals())
 
 
 def _marked(known_hosts: Path, marker: str) -> Iterator[tuple[int, list[str]]]:
@@ -222,6 +250,7 @@ class SSHTransport(Transport):
         spec = self.spec
         assert spec.address is not None
         client = paramiko.SSHClient()
+        client.set_log_channel(_LOG_CHANNEL)
         client.set_missing_host_key_policy(
             _HostKeyPolicy(self.name, spec, self.known_hosts, self._load_known_hosts())
         )
@@ -352,6 +381,44 @@ class SSHTransport(Transport):
             err.decode(errors="replace"),
             time.monotonic() - started,
         )
+
+    def open_channel(self, host: str, port: int, *, timeout: float) -> TcpChannel:
+        """A direct-tcpip channel of this host's one connection to host:port, which the host's
+        sshd dials (127.0.0.1 is the host's own loopback): many at once share the connection."""
+        client = self._connected()
+        transport = client.get_transport()
+        if transport is None or not transport.is_active():
+            raise TransportError(self.name, "connection closed")
+        try:
+            return transport.open_channel(
+                "direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=timeout
+            )
+        except paramiko.ChannelException as exc:
+            said = _refusals.pop(transport, None) or exc.text
+            if exc.code == OPEN_FAILED_CONNECT_FAILED:
+                words = said.lower()
+                kind: type[OSError] = (
+                    ConnectionRefusedError
+                    if "refused" in words
+                    else TimeoutError
+                    if "timed out" in words
+                    else OSError
+                )
+                raise kind(f"{host}:{port} on {self.name}: {words}") from None
+            if exc.code == OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED:
+                raise TransportError(
+                    self.name,
+                    f"its sshd does not forward TCP to {host}:{port} ({said}: AllowTcpForwarding "
+                    "or PermitOpen in its sshd_config)",
+                ) from None
+            raise TransportError(self.name, f"no channel to {host}:{port}: {said}") from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            if not transport.is_active():
+                with self._lock:
+                    if self._client is client:
+                        client.close()
+                        self._client = None
+            raise TransportError(self.name, f"no channel to {host}:{port}: {exc}") from None
 
     def _sftp(self) -> paramiko.SFTPClient:
         try:

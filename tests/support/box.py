@@ -133,6 +133,8 @@ def make_box(root: Path, name: str) -> Box:
                 "StrictModes no",
                 "UsePAM no",
                 "AllowTcpForwarding yes",
+                # kdctl moves files (nginx's configuration, its read-back) over SFTP.
+                "Subsystem sftp internal-sftp",
                 "MaxStartups 100:30:200",
                 "MaxSessions 50",
                 "",

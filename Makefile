@@ -22,6 +22,7 @@ lint: bootstrap
 bench: bootstrap
 	@scripts/bootstrap-vllm
 	$(VENV)/bin/python benchmarks/status_fanout.py
+	$(VENV)/bin/python benchmarks/status_time.py
 	$(VENV)/bin/python benchmarks/store_scale.py
 	$(VENV)/bin/python benchmarks/client_capacity.py
 	$(VENV)/bin/python benchmarks/bench_vs_vllm.py

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -210,6 +211,13 @@ def _builtin() -> dict[str, type[Gate]]:
 
 
 def gates() -> dict[str, type[Gate]]:
+    return dict(_known())
+
+
+@functools.cache
+def _known() -> dict[str, type[Gate]]:
+    # Read once a process: the installed distributions do not change under a command, and
+    # scanning their metadata costs milliseconds each of the dozens of times a status asks.
     found = _builtin()
     for ep in entry_points(group="kdctl.checks"):
         cls = ep.load()

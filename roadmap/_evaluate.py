@@ -27,7 +27,7 @@ from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.records import GateResult, Metric, utcnow
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap
-from kdctl.roadmap._trend import Trend, load_theilslopes, requirements, trend_of
+from kdctl.roadmap._trend import Trend, requirements, trend_of
 from kdctl.session import Identity
 
 CriterionState = Literal["pass", "fail", "missing", "stale"]
@@ -470,8 +470,7 @@ def _with_trend(
     if not reqs:
         return status
     trends = [
-        trend_of(judged, pattern, op, limit, met=status.met, now=now, load=load_theilslopes)
-        for pattern, op, limit in reqs
+        trend_of(judged, pattern, op, limit, met=status.met, now=now) for pattern, op, limit in reqs
     ]
     unmet = [t for t in trends if not _holds(t)]
     pool = unmet or trends

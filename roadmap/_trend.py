@@ -3,7 +3,7 @@ trend would cross the threshold, "if it holds".
 
 The history of a criterion is every result it would accept but for freshness: the same gate,
 backend, baseline and pinned settings, across engine versions and builds (progress spans
-builds). The slope is Theil-Sen's (scipy's `theilslopes`, with its confidence interval), so
+builds). The slope is Theil-Sen's, with its confidence interval (roadmap/_theilsen.py), so
 one outlier does not bend it; a date is never given from fewer than three points or from a
 series that does not move toward the threshold.
 """
@@ -11,9 +11,7 @@ series that does not move toward the threshold.
 from __future__ import annotations
 
 import fnmatch
-import functools
 import statistics
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -21,6 +19,7 @@ from pydantic import BaseModel
 
 from kdctl.inventory.models import parse_threshold
 from kdctl.records import GateResult, Metric
+from kdctl.roadmap._theilsen import theil_sen
 
 Direction = Literal["toward", "away", "flat", "too few points"]
 
@@ -106,10 +105,8 @@ def trend_of(
     *,
     met: bool,
     now: datetime,
-    load: Callable[[], Callable[..., object] | None],
 ) -> Trend:
-    """`history` newest first, as the store lists it. `load` gives scipy's `theilslopes`,
-    imported only for a series long enough to fit (the import costs most of a second)."""
+    """`history` newest first, as the store lists it."""
     points = [
         TrendPoint(
             at=r.ended_at,
@@ -137,14 +134,6 @@ def trend_of(
             reason=f"too few points ({len(recent)} result{'s' if len(recent) != 1 else ''})",
             history=points,
         )
-    theilslopes = load()
-    if theilslopes is None:
-        return Trend(
-            **base,
-            direction="too few points",
-            reason="no forecast: scipy is not installed (pip install 'kdctl[trends]')",
-            history=points,
-        )
     t0 = recent[0].at
     days = [(p.at - t0).total_seconds() / 86400 for p in recent]
     if days[-1] < MIN_SPAN_DAYS:
@@ -156,11 +145,9 @@ def trend_of(
             history=points,
         )
     values = [p.value for p in recent]
-    fit = theilslopes(values, days)
-    slope = float(fit.slope)  # type: ignore[attr-defined]
-    low, high = float(fit.low_slope), float(fit.high_slope)  # type: ignore[attr-defined]
-    intercept = float(fit.intercept)  # type: ignore[attr-defined]
-    regression = _regression(recent, days, values, op, theilslopes)
+    fit = theil_sen(values, days)
+    slope, low, high, intercept = fit.slope, fit.low_slope, fit.high_slope, fit.intercept
+    regression = _regression(recent, days, values, op)
     rising = op in (">=", ">")
     span = max(days[-1] - days[0], 1e-9)
     # Flat: over the span it was watched, the line moved less than 1% of the threshold.
@@ -224,14 +211,13 @@ def _regression(
     days: list[float],
     values: list[float],
     op: str,
-    theilslopes: Callable[..., object],
 ) -> str | None:
     """The newest point against the trend of the ones before it: flagged when it is worse
     than the line predicts by more than the points' own scatter (and 5% of the value)."""
     if len(values) < MIN_POINTS + 1:
         return None
-    fit = theilslopes(values[:-1], days[:-1])
-    slope, intercept = float(fit.slope), float(fit.intercept)  # type: ignore[attr-defined]
+    fit = theil_sen(values[:-1], days[:-1])
+    slope, intercept = fit.slope, fit.intercept
     residuals = [v - (intercept + slope * d) for v, d in zip(values[:-1], days[:-1], strict=True)]
     scatter = statistics.median(abs(r) for r in residuals) * 3
     expected = intercept + slope * days[-1]
@@ -243,12 +229,3 @@ def _regression(
         f"{new.value:.4g} against {expected:.4g} expected from the trend"
         f" (engine {before.engine_version or '?'} -> {new.engine_version or '?'})"
     )
-
-
-@functools.cache
-def load_theilslopes() -> Callable[..., object] | None:
-    try:
-        from scipy.stats import theilslopes
-    except ImportError:
-        return None
-    return theilslopes  # type: ignore[no-any-return]

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,23 @@ def test_systemd_show_parsing() -> None:
         parse_systemd_show("x.service", {"LoadState": "loaded", "ActiveState": "activating"}).state
         == "starting"
     )
+
+
+def test_systemd_state_change_time() -> None:
+    """When a unit last changed state, in the two forms systemd prints it: `@SECONDS` under
+    `--timestamp=unix` (systemd 248 and later), else its own clock text, taken only in UTC (a
+    zone abbreviation such as CET does not say its offset). No systemd runs here: the values
+    are written as systemd(1)'s `systemctl show` prints them."""
+    stopped = {"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead"}
+    unix = parse_systemd_show("sglang.service", {**stopped, "StateChangeTimestamp": "@1796116320"})
+    assert unix.state == "stopped"
+    assert unix.since == datetime(2026, 12, 1, 9, 12, tzinfo=timezone.utc)
+    utc = parse_systemd_show(
+        "sglang.service", {**stopped, "StateChangeTimestamp": "Tue 2026-12-01 09:12:00 UTC"}
+    )
+    assert utc.since == unix.since
+    cet = parse_systemd_show(
+        "sglang.service", {**stopped, "StateChangeTimestamp": "Tue 2026-12-01 10:12:00 CET"}
+    )
+    assert cet.since is None
+    assert parse_systemd_show("x.service", {**stopped, "StateChangeTimestamp": ""}).since is None

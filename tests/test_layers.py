@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kdctl.session",),
     ("kdctl.recording",),
     ("kdctl.roadmap",),
+    # `kdctl init`: what a host shows, its engines asked, written as an inventory.
+    ("kdctl.inventory_init",),
     # What a router holds now, read back, and the journal: read by the answers below.
     (
         "kdctl.traffic",

@@ -7,12 +7,15 @@ leftovers can be found and removed (`ip netns del kdctl-<name>`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
 import socket
 import subprocess
 import time
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,17 +80,17 @@ class Box:
 
     def close(self) -> None:
         pidfile = self.root / "sshd.pid"
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.kill(int(pidfile.read_text()), 15)
-        except (OSError, ValueError):
-            pass
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
 
 
-def make_box(root: Path, name: str) -> Box:
+def make_box(root: Path, name: str, *, mounts: Mapping[str, Path] | None = None) -> Box:
     """A namespace `kdctl-<name>` at 10.77.N.2/30 (this machine at .1), its loopback up, and
     sshd on port 22 of its address with its own host key and a user key that logs in as the
-    probe user. Leftovers of a box of the same name are removed first."""
+    probe user. Leftovers of a box of the same name are removed first. `mounts` (a path on
+    the box: a folder here) are what the box's logins see at those paths, in a mount
+    namespace of sshd's own: /etc/systemd/system with the box's units, say."""
     netns = f"kdctl-{name}"[:15]
     host_if, box_if = f"{netns[:12]}-h", f"{netns[:12]}-b"
     subprocess.run(["ip", "netns", "del", netns], capture_output=True)
@@ -141,7 +144,15 @@ def make_box(root: Path, name: str) -> Box:
             ]
         )
     )
-    _run("ip", "netns", "exec", netns, SSHD, "-f", str(config), "-E", str(root / "sshd.log"))
+    sshd = [SSHD, "-f", str(config), "-E", str(root / "sshd.log")]
+    if mounts:
+        binds = "".join(
+            f"mount --bind {shlex.quote(str(src))} {shlex.quote(dst)}; "
+            for dst, src in mounts.items()
+        )
+        script = f"set -e; {binds}exec {shlex.join(sshd)}"
+        sshd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    _run("ip", "netns", "exec", netns, *sshd)
     box = Box(name, netns, box_ip, 22, user, userkey, known_hosts, root)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

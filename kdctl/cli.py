@@ -374,6 +374,48 @@ def inventory_check(
         out.print(inventory_summary(inv))
 
 
+@app.command("init")
+def init_cmd(
+    host: Annotated[
+        str | None, typer.Option("--host", help="The box to read, over SSH (its address).")
+    ] = None,
+    local: Annotated[bool, typer.Option("--local", help="Read this machine instead.")] = False,
+    user: Annotated[str | None, typer.Option("--user", help="SSH login.")] = None,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="SSH port.")] = 22,
+    identity_file: Annotated[
+        Path | None, typer.Option("--identity-file", help="SSH private key.")
+    ] = None,
+    known_hosts: Annotated[
+        Path | None, typer.Option("--known-hosts", help="[default: ~/.ssh/known_hosts]")
+    ] = None,
+    accept_new: Annotated[
+        bool, typer.Option("--accept-new", help="Record an unknown host key (never a changed one).")
+    ] = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The file to write.")] = Path(
+        "inventory.yaml"
+    ),
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
+) -> None:
+    """Write an inventory from what a host shows: GPUs, engines running or stopped (units,
+    processes, sockets, their own API), nginx; each value commented with where it was found."""
+    from kdctl.inventory_init import InitRequest, init_inventory
+
+    result = init_inventory(
+        InitRequest(
+            output=output,
+            host=host,
+            local=local,
+            user=user,
+            port=port,
+            identity_file=identity_file,
+            known_hosts=known_hosts,
+            accept_new=accept_new,
+            force=force,
+        )
+    )
+    _print_lines(result.lines())
+
+
 @gate_app.command("list")
 def gate_list(json_: JsonOpt = False) -> None:
     """The gates kdctl knows, built in and from plugins."""

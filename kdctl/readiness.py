@@ -87,6 +87,10 @@ class ServingAnswer(ServingProbe):
         """Line 1, in a few words; `detail` and `speed` say the whole of it."""
         since = f" since {self.since:%Y-%m-%d %H:%M}" if self.since else ""
         speed = f"; speed: {self.speed_short}" if self.speed_short else ""
+        if self.speed_short and self.speed_of is not None:
+            speed = (
+                f"; speed of {self.speed_of}, {self.speed_share}% of traffic: {self.speed_short}"
+            )
         flag = f" ({'; '.join(self.flags)})" if self.flags else ""
         if self.state in ("serving", "degraded"):
             who = self.who_short or self.backend or "an engine the router does not name"

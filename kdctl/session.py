@@ -182,7 +182,16 @@ class Session:
                 f"{name} runs in command mode and was not run to ask who it is (kdctl status "
                 "--deep runs it); no result records it either: held to the inventory",
             )
-        prov, where = found
+        recorded, where = found
+        # Its build as recorded, on the deployment the inventory declares: a record made on
+        # another model or machine must not vouch for this one by matching itself.
+        declared = provenance_for(self.inventory, name, None, None)
+        prov = declared.model_copy(
+            update={
+                "engine_version": recorded.engine_version,
+                "engine_settings": recorded.engine_settings,
+            }
+        )
         return Identity(
             self.binder.bind(name, prov),
             live=False,

@@ -202,11 +202,12 @@ def test_phases_follow_evidence_from_real_gates(setup: Any, tmp_path: Path) -> N
     code, doc = phases(inv)
     assert statuses(doc)["exact"] == "done", "an older strict pass still stands"
 
-    # Stale evidence counts as missing: health's window cut to 1s flips the first phase back.
+    # Stale evidence counts as missing: health's window cut to 1s flips the first phase back,
+    # to be measured again (it was done), not to be built.
     short = setup(freshness={"health": "1s"})
     time.sleep(1.5)
     code, doc = phases(short)
-    assert code == 1 and statuses(doc)["serving"] == "in_progress"
+    assert code == 1 and statuses(doc)["serving"] == "to_reverify"
     health = doc["phases"][0]["criteria"][0]
     assert health["state"] == "stale" and health["reason"].startswith("stale: ")
     assert doc["answers"]["cutover"]["blocking"][0].startswith("serving/health:candidate: stale")

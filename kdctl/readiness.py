@@ -367,7 +367,7 @@ class Answers(BaseModel):
         """What the three lines leave out, in full: the serving probe's detail and speed, the
         forecast, how a stopped candidate's evidence is held, regressions."""
         s = self.serving
-        out = [f"Serving: {s.detail}" + (f" (since: {s.since_from})" if s.since_from else "")]
+        out = [f"Serving: {s.detail}" + (f" ({s.since_from})" if s.since_from else "")]
         if s.speed and s.speed_of is not None:
             out.append(f"Speed of {s.speed_of}, {s.speed_share}% of traffic: {s.speed}")
         elif s.speed:
@@ -650,21 +650,24 @@ def _since(
         if at is not None and last_change is not None:
             answer.since = at
             verb = "cutover" if last_change.state == "succeeded" else "rollback of cutover"
-            answer.since_from = f"the journal: {verb} {last_change.id}"
+            answer.since_from = f"since {at:%Y-%m-%d %H:%M} by the journal: {verb} {last_change.id}"
         return
     if answer.state != "nothing":
         return
+    said = []
     last = None
-    if last_change is not None and last_change.state != "running":
+    if last_change is not None and last_change.state not in ("running", "failed"):
         last = (
             last_change.to_backend if last_change.state == "succeeded" else last_change.from_backend
         )
-    last = last or (inv.spec.router.serving if inv.spec.router else None)
+        said.append(f"{last} served last (the journal: cutover {last_change.id})")
+    elif inv.spec.router is not None:
+        last = inv.spec.router.serving
+        said.append(f"{last} is the engine the inventory's router serves")
     svc = services.get(last) if last else None
     if svc is not None and svc.state in ("stopped", "failed") and svc.since is not None:
         answer.since = svc.since
-        answer.since_from = f"{last}'s {svc.kind} service {svc.name} {svc.state} since then"
-        return
+        said.append(f"its {svc.kind} service {svc.name} {svc.state} at {svc.since:%Y-%m-%d %H:%M}")
     seen = [
         (r.ended_at, r.backend)
         for n in inv.backends
@@ -674,9 +677,8 @@ def _since(
     ]
     if seen:
         at, who = max(seen)
-        answer.since_from = (
-            f"not known; the last answer kdctl recorded is {who}'s, {at:%Y-%m-%d %H:%M}"
-        )
+        said.append(f"the last answer kdctl recorded is {who}'s, {at:%Y-%m-%d %H:%M}")
+    answer.since_from = "; ".join(said) or None
 
 
 def _dated_back(phase: PhaseStatus) -> bool:

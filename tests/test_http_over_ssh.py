@@ -289,9 +289,11 @@ def test_a_tunnelled_run_is_not_compared_with_a_direct_one(boxed: Boxed, tmp_pat
     baseline, on the box's loopback, is reached through the tunnel."""
     data = inventory(boxed, router=False)
     data["backends"]["candidate"]["url"] = f"http://{boxed.box.address}:{boxed.candidate_port}"
+    # httpx's async client here (its streams over channels), aiohttp's (through the tunnel's
+    # socket) in the gate run all above and the recorded run below.
     data["gates"] = {
         **GATES,
-        "throughput": {**GATES["throughput"], "baseline_run": "interleaved"},
+        "throughput": {**GATES["throughput"], "baseline_run": "interleaved", "client": "httpx"},
     }
     inv = write_inventory(tmp_path / "mixed.yaml", data)
     run = kdctl("gate", "run", "throughput", "-b", "candidate", "--baseline", "baseline",
@@ -299,6 +301,8 @@ def test_a_tunnelled_run_is_not_compared_with_a_direct_one(boxed: Boxed, tmp_pat
     (result,) = json.loads(run.out)["results"]
     assert result["verdict"] == "inconclusive", result["reasons"]
     assert result["provenance"]["http_path"] == "direct"
+    assert result["details"]["baseline_points"][0]["http_path"] == "ssh:box"
+    assert result["details"]["baseline_points"][0]["failed"] == 0
     said = " ".join(result["reasons"])
     assert "candidate was measured directly and the baseline through SSH to box" in said
     ratio = next(m for m in result["metrics"] if m["name"] == "c2.ratio")

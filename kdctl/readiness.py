@@ -569,7 +569,7 @@ def _assess(
 
 
 def _blocker(c: CriterionStatus) -> Blocker:
-    kind: BlockerKind = c.state if c.state in ("fail", "stale", "missing") else "fail"  # type: ignore[assignment]
+    kind: BlockerKind = "fail" if c.state == "pass" else c.state
     fix: str | None = None
     if c.gate == "sign-off":
         fix = f"kdctl signoff --backend {c.backend} --by NAME --note WHAT-WAS-CHECKED"

@@ -275,7 +275,7 @@ def _only_stale(
         s.state == "stale"
         and bool(s.stale_by)
         and set(s.stale_by) <= _REMEASURE
-        and _passes(c, (histories[(c.phase, c.name)] or [None])[0])
+        and _passes(c, next(iter(histories[(c.phase, c.name)]), None))
         for c, s in unmet
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import date
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,9 +41,16 @@ class Criterion(_Model):
 class Phase(_Model):
     id: Name
     title: str = Field(min_length=1)
+    # The team's own word for it ("Phase 3"), shown beside the id.
+    label: str | None = Field(default=None, min_length=1, max_length=40)
     depends_on: list[Name] = Field(default_factory=list)
     criteria: list[Criterion] = Field(min_length=1)
     description: str | None = None
+    # How long the work is expected to take once started (a person's estimate, kept apart
+    # from a forecast measured from a trend), who owns it, and the date it is due.
+    estimate: Duration | None = None
+    owner: str | None = Field(default=None, min_length=1, max_length=80)
+    target: date | None = None
 
 
 class RoadmapSpec(_Model):

@@ -715,14 +715,19 @@ def _soon(report: PhaseReport) -> Soon:
     last = max(report.blocking, key=lambda c: c.trend.eta if c.trend and c.trend.eta else now_min())
     t = last.trend
     assert t is not None and t.eta is not None
-    span = f" (range {t.eta_range[0]:%Y-%m-%d} to {t.eta_range[1]:%Y-%m-%d})" if t.eta_range else ""
+    # The range is the slope's 95% interval; where it reaches flat there is no latest date.
+    span = (
+        f" (range {t.eta_range[0]:%Y-%m-%d} to {t.eta_range[1]:%Y-%m-%d})"
+        if t.eta_range
+        else " (no latest date)"
+    )
     return Soon(
         eta=t.eta,
         eta_range=t.eta_range,
         limited_by=f"{last.phase}/{last.name}",
         detail=f"about {t.eta:%Y-%m-%d}{span} if {last.phase}/{last.name} keeps moving "
-        f"{t.slope_per_day:+.4g}/day ({t.metric} {t.threshold}), the trend holding"
-        + (f" ({t.note})" if t.note else ""),
+        f"{t.slope_per_day:+.4g}/day from its newest result ({t.metric} {t.threshold}), "
+        "the trend holding" + (f" ({t.note})" if t.note else ""),
         dated_back=bool(t.note),
     )
 

@@ -335,14 +335,30 @@ def _phase_eta(criteria: list[CriterionStatus]) -> tuple[datetime | None, str | 
     return eta, f"about {eta:%Y-%m-%d}, limited by {last.name}"
 
 
+# A pace is a rate over time: phases first done minutes apart (a first run of every gate)
+# would give thousands a week. Under a week between the first and the latest, none is given.
+PACE_MIN_DAYS = 7.0
+
+
 def _pace(done_at: list[datetime]) -> tuple[float | None, str]:
     if len(done_at) < 2:
         return None, f"none yet ({len(done_at)} of the phases done; a pace needs two)"
     first, last = min(done_at), max(done_at)
-    weeks = (last - first).total_seconds() / (7 * 86400)
-    if weeks <= 0:
-        return None, f"none yet ({len(done_at)} phases first done at the same moment)"
-    pace = (len(done_at) - 1) / weeks
+    days = (last - first).total_seconds() / 86400
+    if days < PACE_MIN_DAYS:
+        hours = days * 24
+        within = (
+            f"{days:.1f} days"
+            if days >= 1
+            else f"{hours:.1f} h"
+            if hours >= 1
+            else f"{hours * 60:.0f} min"
+        )
+        return None, (
+            f"too early to tell ({len(done_at)} phases first done within {within}; a pace "
+            f"needs {PACE_MIN_DAYS:g} days between the first and the latest)"
+        )
+    pace = (len(done_at) - 1) / (days / 7)
     return round(pace, 3), (
         f"{pace:.2g} phases a week ({len(done_at)} done from {first:%Y-%m-%d} to {last:%Y-%m-%d})"
     )

@@ -4,8 +4,14 @@ trend would cross the threshold, "if it holds".
 The history of a criterion is every result it would accept but for freshness: the same gate,
 backend, baseline and pinned settings, across engine versions and builds (progress spans
 builds). The slope is Theil-Sen's, with its confidence interval (roadmap/_theilsen.py), so
-one outlier does not bend it; a date is never given from fewer than three points or from a
-series that does not move toward the threshold.
+one outlier does not bend it. A forecast starts from the newest result and goes on at that
+slope, its range from the slope's interval: a series that slowed down still gets a date, later.
+No date from fewer than three points, from a series that does not move toward the threshold,
+once the newest result meets it, or where that date has passed with nothing measured since.
+
+A regression is a newest result worse than both the trend and the result before it, by more
+than the series' own scatter allows, after the engine build, weights or settings changed
+between the two: a same-build wobble is noise, and a series that only slowed is not one.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ RECENT = 12
 MIN_POINTS = 3
 # A forecast from points hours apart extrapolates noise: the series must span a day.
 MIN_SPAN_DAYS = 1.0
+# The scatter a newest result may fall outside of before it can be a regression: this many
+# median absolute deviations of the earlier points' residuals from their own line, scaled to a
+# standard deviation. 3 is the usual outlier rule (normal noise lands that far on the worse side
+# about 1 in 740 times); with as few as three earlier points the MAD is itself rough, so the
+# band is not drawn tighter.
+REGRESSION_MADS = 3.0
+# MAD * 1.4826 estimates the standard deviation of normally distributed noise.
+_MAD_TO_SD = 1.4826
 
 
 class TrendPoint(BaseModel):
@@ -35,6 +49,11 @@ class TrendPoint(BaseModel):
     value: float
     # Where it was measured: a chart marks where the engine changed between points.
     engine_version: str | None = None
+    # The build beyond its version: the checkpoint's fingerprint and a digest of how the engine
+    # was started. Builds of one engine version (another quantization of the same weights)
+    # differ here, and a regression is named only across a change of build.
+    weights: str | None = None
+    engine_settings: str | None = None
     model: str | None = None
     host: str | None = None
     # The machine itself (its id and GPU serials), where the result was bound to it: a box
@@ -57,7 +76,8 @@ class Trend(BaseModel):
     eta_range: tuple[datetime, datetime] | None = None
     reason: str
     history: list[TrendPoint] = []
-    # A newest result clearly worse than the trend before it, with the two engine versions.
+    # A newest result worse than the trend and the result before it beyond the series'
+    # scatter, after a change of build, with what changed.
     regression: str | None = None
     # Why the pace is not a measured one, where it is not (results dated back).
     note: str | None = None
@@ -112,6 +132,8 @@ def trend_of(
             at=r.ended_at,
             value=v,
             engine_version=r.provenance.engine_version,
+            weights=r.provenance.weights,
+            engine_settings=r.provenance.engine_settings,
             model=r.provenance.model_path,
             host=r.provenance.host,
             host_id=r.provenance.host_id,
@@ -146,7 +168,7 @@ def trend_of(
         )
     values = [p.value for p in recent]
     fit = theil_sen(values, days)
-    slope, low, high, intercept = fit.slope, fit.low_slope, fit.high_slope, fit.intercept
+    slope, low, high = fit.slope, fit.low_slope, fit.high_slope
     regression = _regression(recent, days, values, op)
     rising = op in (">=", ">")
     span = max(days[-1] - days[0], 1e-9)
@@ -173,37 +195,49 @@ def trend_of(
     if met:
         trend.reason = f"met; {direction}, {slope:+.4g}/day"
         return trend
+    newest_value, at_last = values[-1], recent[-1].at
+    if _meets(newest_value, op, limit):
+        # The criterion misses for another reason (another requirement, stale evidence).
+        trend.reason = f"the newest result meets {op} {limit:g}; {direction}, {slope:+.4g}/day"
+        return trend
     if direction != "toward":
         trend.reason = "moving away" if direction == "away" else "flat"
         return trend
-    last_day = days[-1]
-    current = intercept + slope * last_day
-    at_last = recent[-1].at
 
     def crossing(s: float) -> datetime | None:
+        # From where the series is, not where its line is: a series that slowed down sits
+        # below its line, and the line's own crossing may lie behind it.
         if s == 0 or (s > 0) != rising:
             return None
-        return at_last + timedelta(days=(limit - current) / s)
+        return at_last + timedelta(days=(limit - newest_value) / s)
 
     eta = crossing(slope)
-    if eta is None or eta < at_last:
-        trend.reason = "the fitted line already holds; the newest result does not"
-        return trend
+    assert eta is not None  # moving toward and not there yet
     if eta < now:
-        # The line crossed before today and the newest result still misses: the series has
-        # not moved as fitted since, so it forecasts nothing.
+        # Nothing measured since the day it would have got there: only a new result tells.
         trend.reason = (
-            f"no forecast: the line crossed {eta:%Y-%m-%d}, before now, and no newer result "
-            "meets it"
+            f"no forecast: at {slope:+.4g}/day from its newest result it would have met "
+            f"{op} {limit:g} about {eta:%Y-%m-%d}, before now; measure it again"
         )
         return trend
     trend.eta = eta
     fast, slow = crossing(high if rising else low), crossing(low if rising else high)
     if fast is not None and slow is not None:
         trend.eta_range = (min(fast, slow), max(fast, slow))
+        span_words = f"range {trend.eta_range[0]:%Y-%m-%d} to {trend.eta_range[1]:%Y-%m-%d}"
+    else:
+        # The slope's interval reaches flat: no latest date can be given.
+        span_words = "no latest date: the slope's 95% interval reaches flat"
     ahead = (eta - now).days
-    trend.reason = f"about {eta:%Y-%m-%d} ({ahead} days) if {pattern} keeps moving {slope:+.4g}/day"
+    trend.reason = (
+        f"about {eta:%Y-%m-%d} ({ahead} days; {span_words}) if {pattern} keeps moving "
+        f"{slope:+.4g}/day from {newest_value:.4g}"
+    )
     return trend
+
+
+def _meets(value: float, op: str, limit: float) -> bool:
+    return {">=": value >= limit, ">": value > limit, "<=": value <= limit, "<": value < limit}[op]
 
 
 def _regression(
@@ -212,20 +246,56 @@ def _regression(
     values: list[float],
     op: str,
 ) -> str | None:
-    """The newest point against the trend of the ones before it: flagged when it is worse
-    than the line predicts by more than the points' own scatter (and 5% of the value)."""
+    """The newest point against the line of the ones before it and against the one before it:
+    a regression when it is worse than both by more than REGRESSION_MADS scaled MADs of those
+    points' residuals, and the build (engine version, weights or settings) changed between the
+    two newest. Worse than the line but not than the point before it is a series slowing down."""
     if len(values) < MIN_POINTS + 1:
+        return None
+    new, before = points[-1], points[-2]
+    changed = _build_change(before, new)
+    if changed is None or len(set(days[:-1])) < 2:
         return None
     fit = theil_sen(values[:-1], days[:-1])
     slope, intercept = fit.slope, fit.intercept
     residuals = [v - (intercept + slope * d) for v, d in zip(values[:-1], days[:-1], strict=True)]
-    scatter = statistics.median(abs(r) for r in residuals) * 3
+    mad = statistics.median(abs(r) for r in residuals)
     expected = intercept + slope * days[-1]
-    worse = expected - values[-1] if op in (">=", ">") else values[-1] - expected
-    if worse <= max(scatter, 0.05 * abs(expected)):
+    # A floor for series that repeat one value exactly (a match rate of 1.0): their scatter is
+    # nil, and only float rounding is forgiven.
+    band = max(REGRESSION_MADS * _MAD_TO_SD * mad, 1e-9 * max(abs(expected), 1.0))
+    rising = op in (">=", ">")
+    # The less demanding of the two references: a rising series' line is above its last point.
+    reference = min(expected, before.value) if rising else max(expected, before.value)
+    worse = reference - new.value if rising else new.value - reference
+    if worse <= band:
         return None
-    new, before = points[-1], points[-2]
-    return (
-        f"{new.value:.4g} against {expected:.4g} expected from the trend"
-        f" (engine {before.engine_version or '?'} -> {new.engine_version or '?'})"
+    scatter = (
+        f"beyond {REGRESSION_MADS:g} MADs of its scatter (+/-{band:.2g})"
+        if mad > 0
+        else "the points before it on their line"
     )
+    return (
+        f"{new.value:.4g} against {expected:.4g} expected from the trend and {before.value:.4g}"
+        f" before it, {scatter} ({changed})"
+    )
+
+
+def _build_change(before: TrendPoint, new: TrendPoint) -> str | None:
+    """What changed between two results' builds, in words; None when nothing did that both
+    recorded (the same build measured again, or results too old to say)."""
+    said = [
+        f"{name} {old[:width]} -> {now[:width]}"
+        for name, old, now, width in (
+            ("engine", before.engine_version, new.engine_version, 40),
+            ("weights", before.weights, new.weights, 8),
+            ("engine settings", before.engine_settings, new.engine_settings, 8),
+        )
+        if old is not None and now is not None and old != now
+    ]
+    if not said:
+        return None
+    if new.engine_version is not None and before.engine_version == new.engine_version:
+        # One engine version, another build: say which version both ran.
+        said.append(f"engine {new.engine_version}")
+    return "; ".join(said)

@@ -155,6 +155,12 @@ def test_the_demo_tells_the_whole_story(
     )
     assert [g for g, _ in history] == ["32", "16", "8", "4"], out[:3000]
     assert codes["kdctl sandbox history"] == 0
+    # The INT4 builds improve more slowly each week: a forecast from the newest, no regression.
+    assert re.search(r"int4 \(forecast \d{4}-\d\d-\d\d, dated back\)", out), out[:3000]
+    assert "Regressions:" not in out and "REGRESSION" not in out, out[:3000]
+    # Phases first done minutes apart give no pace a week.
+    assert "phases a week" not in out
+    assert re.search(r"pace: too early to tell \(\d phases first done within", out), out[-6000:]
     if codes["kdctl cutover --to candidate --watch 5 --yes"] == 1:
         # Drafting costs compute: on a machine this loaded the candidate can measure under the
         # roadmap's 0.8x of the baseline, and kdctl then refuses, naming the gate; that is the

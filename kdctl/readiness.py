@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from kdctl.probes import ServiceState
 from kdctl.recording import run_gates
 from kdctl.roadmap import (
     CriterionStatus,
+    Estimate,
     FrontNow,
     PhaseReport,
     PhaseStatus,
@@ -212,6 +213,8 @@ class Soon(BaseModel):
     detail: str
     # The date was fitted to results whose dates were set, not measured (sandbox history).
     dated_back: bool = False
+    # By the roadmap's estimates instead of measured trends, where its phases carry them.
+    estimate: Estimate | None = None
 
 
 # Most important first: traffic cannot move to an engine that does not answer; a failure is
@@ -291,6 +294,10 @@ class CutoverAnswer(BaseModel):
         if c.soon is not None and c.soon.eta is not None:
             dated = ", from results dated back" if c.soon.dated_back else ""
             soon = f"soon: {c.soon.eta:%Y-%m-%d} if trends hold{dated}"
+        if c.soon is not None and c.soon.estimate is not None and c.soon.estimate.at:
+            # A person's estimate, said as one, beside (never instead of) a measured forecast.
+            by = f"{c.soon.estimate.short()} by the plan"
+            soon = f"{soon}, {by}" if c.soon.eta is not None else f"soon: {by}"
         head = f"Cut over to {c.candidate} now: no; {n} blocker{'s' if n != 1 else ''}"
         first = c.blockers[0].short if c.blockers else "unknown"
         room = 160 - len(head) - len(soon) - len(", first: ; .")
@@ -309,6 +316,11 @@ class PhaseLeft(BaseModel):
     done_at: datetime | None = None
     # Its forecast was fitted to results whose dates were set, not measured.
     dated_back: bool = False
+    # The plan's words for it: its label, due date and owner, and whether it is past due.
+    label: str | None = None
+    target: date | None = None
+    owner: str | None = None
+    late: bool = False
 
 
 class Answers(BaseModel):
@@ -381,6 +393,17 @@ class Answers(BaseModel):
         c = self.cutover
         if c.soon is not None and c.blockers:
             out.append(f"Soon: {c.soon.detail}")
+            if c.soon.estimate is not None:
+                out.append(f"Estimate: {c.soon.estimate.detail}")
+        late = [p for p in self.phases_left if p.late]
+        if late:
+            out.append(
+                "Late: "
+                + ", ".join(
+                    f"{p.id} (due {p.target}" + (f", {p.owner}" if p.owner else "") + ")"
+                    for p in late
+                )
+            )
         if c.held:
             out.append(f"Held: {c.held}")
         if self.regressions:
@@ -530,6 +553,8 @@ def _assess(
             report = report.model_copy(update={"target_reachable": False})
     blockers.sort(key=lambda b: _RANK[b.kind])
     soon = _soon(report) if report is not None and blockers else None
+    if soon is not None and report is not None and report.estimate is not None:
+        soon = soon.model_copy(update={"estimate": report.estimate})
     last_change = _last_change(inv)
     answer1 = _serving(inv, store, loaded, probe, identify, now)
     _since(answer1, inv, store, last_change, services or {})
@@ -543,6 +568,10 @@ def _assess(
                 eta=p.eta,
                 done_at=p.last_done_at if p.status == "to_reverify" else None,
                 dated_back=_dated_back(p),
+                label=p.label,
+                target=p.target,
+                owner=p.owner,
+                late=p.late,
             )
             for p in (report.remaining if report else [])
         ],

@@ -384,19 +384,31 @@ def _pins(pinned: dict[str, object]) -> str:
 def phases_table(report: PhaseReport, *, wide: bool = False) -> Group:
     """`wide` adds each unmet criterion's pinned settings and trend."""
     head = Text(f"{report.title} ({report.roadmap}); target {report.target}", "bold")
-    table = _table("Phases", ("phase", "status", "criteria met", "done", "forecast", "title"))
+    phase_rows = []
     for p in report.phases:
         done = f"{p.first_done_at:%Y-%m-%d}" if p.first_done_at else "-"
         if p.status == "to_reverify" and p.last_done_at:
             done = f"was done {p.last_done_at:%Y-%m-%d %H:%M}"
-        table.add_row(
-            _t(p.id),
-            Text(p.status.replace("_", " "), _PHASE_STYLE[p.status]),
-            f"{p.met}/{p.total}",
-            done,
-            _t(p.eta_detail or "-"),
-            _t(p.title),
+        plan = [f"estimate {p.estimate}" if p.estimate else "", p.owner or ""]
+        if p.target:
+            plan.append(f"due {p.target}" + (" (LATE)" if p.late else ""))
+        phase_rows.append(
+            {
+                "phase": _t(p.id),
+                "status": Text(p.status.replace("_", " "), _PHASE_STYLE[p.status]),
+                "criteria met": Text(f"{p.met}/{p.total}"),
+                "done": Text(done),
+                "forecast": _t(p.eta_detail or "-"),
+                "plan": Text(", ".join(x for x in plan if x), "red" if p.late else ""),
+                "title": _t(f"{p.label}: {p.title}" if p.label else p.title),
+            }
         )
+    table = _rows_table(
+        "Phases",
+        ("phase", "status", "criteria met", "done", "forecast", "plan", "title"),
+        phase_rows,
+        wide=wide,
+    )
     cols = ("phase", "criterion", "state", "threshold", "pins", "last measured", "age", "trend")
     rows = []
     for p in report.phases:
@@ -426,6 +438,8 @@ def phases_table(report: PhaseReport, *, wide: bool = False) -> Group:
         narrow_drop=("pins", "trend"),
     )
     parts: list[Text | Table] = [head, table, Text(f"pace: {report.pace_detail}")]
+    if report.estimate is not None:
+        parts.append(Text(f"by the plan's estimates: {report.estimate.detail}"))
     if rows:
         parts.append(unmet)
     for note in report.notes:

@@ -2,6 +2,7 @@
 readiness gates decide; their status is computed from evidence. The YAML files beside this
 module are the shipped roadmaps, and prompts/ their corpora."""
 
+from kdctl.roadmap._estimate import Estimate
 from kdctl.roadmap._evaluate import (
     CriterionStatus,
     FrontNow,
@@ -24,6 +25,7 @@ from kdctl.roadmap._model import Criterion, Phase, RoadmapSpec
 __all__ = [
     "Criterion",
     "CriterionStatus",
+    "Estimate",
     "FrontNow",
     "Measured",
     "Phase",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -26,6 +26,7 @@ from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.records import GateResult, Metric, utcnow
+from kdctl.roadmap._estimate import Estimate, PhasePlan, critical_path, late
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap
 from kdctl.roadmap._trend import Trend, requirements, trend_of
 from kdctl.session import Identity
@@ -94,6 +95,13 @@ class PhaseStatus(BaseModel):
     # with the criteria that have no forecast named in `eta_detail`.
     eta: datetime | None = None
     eta_detail: str | None = None
+    # The plan's own words: the team's label, a person's estimate, the owner, the due date, and
+    # whether that date passed with the phase not done.
+    label: str | None = None
+    estimate: str | None = None
+    owner: str | None = None
+    target: date | None = None
+    late: bool = False
 
 
 class PhaseReport(BaseModel):
@@ -111,6 +119,9 @@ class PhaseReport(BaseModel):
     # Phases first done per week, from the first to the latest first-done date.
     pace_per_week: float | None = None
     pace_detail: str = ""
+    # Where the roadmap's phases carry estimates: when the target's prerequisites are done by
+    # them, along the critical path (kept apart from forecasts, which trends measure).
+    estimate: Estimate | None = None
 
     @property
     def remaining(self) -> list[PhaseStatus]:
@@ -226,9 +237,32 @@ def evaluate(
                 last_done_at=last_done,
                 eta=eta,
                 eta_detail=eta_detail,
+                label=phase.label,
+                estimate=phase.estimate,
+                owner=phase.owner,
+                target=phase.target,
+                late=late(phase.target, status == "done", now),
             )
         )
     prerequisites = roadmap.prerequisites(target)
+    plans = {
+        p.id: PhasePlan(
+            id=p.id,
+            depends_on=p.depends_on,
+            # Work done and only to be measured again takes no more of the plan's time.
+            done=p.status in ("done", "to_reverify"),
+            estimate=p.estimate,
+            eta=p.eta,
+        )
+        for p in phases
+    }
+    estimate = (
+        critical_path(plans, prerequisites, now)
+        if any(p.estimate for p in roadmap.phases)
+        else None
+    )
+    if estimate is not None:
+        estimate.late = [p.id for p in phases if p.late]
     blocking = [c for pid in prerequisites for c in criteria[pid] if not c.met]
     notes = sorted({i.note for i in identities.values() if i.note})
     pace, pace_detail = _pace([p.first_done_at for p in phases if p.first_done_at is not None])
@@ -245,6 +279,7 @@ def evaluate(
         notes=notes,
         pace_per_week=pace,
         pace_detail=pace_detail,
+        estimate=estimate,
     )
 
 

@@ -70,11 +70,17 @@ class NativeCommandBackend(Backend):
             raise BackendError(self.name, self.where, "command mode needs its host's transport")
         return self.transport
 
-    def run_batch(self, requests: list[GenerateRequest]) -> ResponseFile:
-        """Run the engine's binary once on a batch; every request gets a result or an error."""
+    def run_batch(
+        self, requests: list[GenerateRequest], *, batch_size: int | None = None
+    ) -> ResponseFile:
+        """Run the engine's binary once on a batch; every request gets a result or an error.
+        `batch_size` caps how many generate at once (speed measured at that batch)."""
         transport = self._transport()
         batch = RequestFile(
-            requests=[ContractRequest(id=f"r{i}", **r.model_dump()) for i, r in enumerate(requests)]
+            requests=[
+                ContractRequest(id=f"r{i}", **r.model_dump()) for i, r in enumerate(requests)
+            ],
+            batch_size=batch_size,
         )
         token = uuid.uuid4().hex[:12]
         workdir = self.spec.workdir.rstrip("/")
@@ -84,7 +90,9 @@ class NativeCommandBackend(Backend):
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="kdctl-native-") as tmp:
             local_req = Path(tmp) / "request.json"
-            local_req.write_text(batch.model_dump_json())
+            # Left out when unset: an engine older than the field may refuse a key it lacks.
+            unset = {"batch_size"} if batch_size is None else None
+            local_req.write_text(batch.model_dump_json(exclude=unset))
             try:
                 transport.put(local_req, remote_req, mode=0o600)
                 result = transport.run(argv, timeout=self.spec.command_timeout_s)
@@ -136,7 +144,7 @@ class NativeCommandBackend(Backend):
                 raise BackendHTTPError(
                     self.name, self.where, 400, f"{result.error.type}: {result.error.message}"
                 )
-            fields = result.model_dump(exclude={"id", "error"})
+            fields = result.model_dump(exclude={"id", "error", "timings"})
             fields["finish_reason"] = result.finish_reason or "length"
             out.append(GenerateResult.model_validate(fields))
         return out

@@ -1,6 +1,12 @@
 """throughput: kdctl's load generator against the candidate, compared with the baseline's run of
 the same workload (the same workload hash) as a ratio, plus absolute latency SLOs.
 
+Under `mode: offline-batch` a command-mode engine, which has no server to load, is measured by
+its own timings of batch runs of the same prompts instead (docs/native-engine-contract.md), at
+batch 1 and at every concurrency, each batch size against the baseline's served run at that
+concurrency. The mode is one of the settings every result keeps, so such a result never meets
+a criterion that asks for the served comparison.
+
 The baseline's run is normally recorded earlier (`kdctl baseline record`), because on one 8-GPU
 box the two engines cannot serve at once; where the baseline is up and has no recorded run, or
 `baseline_run: interleaved` asks for it (engines sharing one machine), it is measured now, the two
@@ -13,13 +19,15 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from kdctl.backends import Backend, GenerateRequest, HttpBackend, SpecCounters
+from kdctl.backends import Backend, EngineInfo, GenerateRequest, HttpBackend, SpecCounters
+from kdctl.backends.contract import ContractResult
+from kdctl.backends.native import NativeCommandBackend
 from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.checks.exactness import load_corpus, prompt_file, shipped_prompts
 from kdctl.errors import InfraError, InputError, KdctlError
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import ThroughputSettings
-from kdctl.loadgen import SLO, BenchMetrics, LoadPlan, Progress, run_load
+from kdctl.loadgen import SLO, BenchMetrics, LoadPlan, Progress, RequestRecord, run_load
 from kdctl.records import (
     Baseline,
     GateResult,
@@ -127,9 +135,15 @@ def measure(
     served: list[HttpBackend] = []
     for be in sides:
         if not isinstance(be, HttpBackend):
+            offline = (
+                f" (gates.throughput.mode: {OFFLINE} compares its own timings of a batch "
+                "instead, which stands for the served comparison nowhere)"
+                if isinstance(be, NativeCommandBackend)
+                else ""
+            )
             raise InputError(
                 f"backend {be.name}: the throughput gate needs a served engine with a streaming "
-                f"HTTP API; kind {be.kind} in this mode has none"
+                f"HTTP API; kind {be.kind} in this mode has none{offline}"
             )
         served.append(be)
     w = settings.workload
@@ -165,6 +179,110 @@ def measure(
         for side, done in zip(out, runs, strict=True):
             side.append(Runs(done))
     return out
+
+
+# The mode under which a command-mode engine is measured by its own timings.
+OFFLINE = "offline-batch"
+# What an offline point's figures come from, where a served one names its HTTP client.
+ENGINE_TIMINGS = "engine timings"
+
+
+def batch_sizes(settings: ThroughputSettings) -> list[int]:
+    """Batch 1, the engine's speed alone, and every concurrency the workload pins."""
+    return sorted({1, *settings.workload.concurrency})
+
+
+def measure_offline(
+    ctx: GateContext,
+    be: NativeCommandBackend,
+    settings: ThroughputSettings,
+    requests: list[GenerateRequest],
+) -> tuple[list[Runs], EngineInfo | None, str | None]:
+    """The engine's runs of `requests` at every batch size, `repeats` each, one run of its
+    binary per batch; the engine it said it was; and why its speed could not be measured
+    (its answers carry no timings), or None. Warm-up requests go first in every run, as the
+    load generator sends them first, and are left out of the figures."""
+    w = settings.workload
+    slo = SLO(
+        ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms, e2el_ms=settings.slo_e2el_ms
+    )
+    out: list[Runs] = []
+    info: EngineInfo | None = None
+    for size in batch_sizes(settings):
+        warm = size if w.warmup_requests is None else w.warmup_requests
+        done: list[BenchMetrics] = []
+        for repeat in range(settings.repeats):
+            what = f"throughput {be.name} offline at batch {size}"
+            if settings.repeats > 1:
+                what += f", run {repeat + 1} of {settings.repeats}"
+            ctx.report(what, 0, len(requests))
+            response = be.run_batch([requests[0]] * warm + requests, batch_size=size)
+            ctx.report(what, len(requests), len(requests))
+            info = info or response.engine
+            timed = response.results[warm:]
+            answered = [r for r in timed if r.error is None]
+            untimed = [r for r in answered if r.timings is None]
+            if untimed:
+                why = (
+                    f"{len(untimed)} of its {len(answered)} answers at batch {size} carry no "
+                    "timings (an engine older than the contract's timings): its speed cannot be "
+                    "measured before it serves"
+                )
+                return out, info, why
+            output_len = w.output_len if w.ignore_eos else None
+            done.append(_offline_point(timed, size, output_len, slo))
+        out.append(Runs(done))
+    return out, info, None
+
+
+def _offline_point(
+    results: list[ContractResult], size: int, output_len: int | None, slo: SLO
+) -> BenchMetrics:
+    """One batch run's figures from the engine's timings, in the load generator's record: a
+    request's E2EL is its TTFT and decode time, and the run lasts from the first admission to
+    the last token. Nothing times the gaps between tokens, so there is no ITL."""
+    records: list[RequestRecord] = []
+    for r in results:
+        if r.error is not None or r.timings is None:
+            why = f"{r.error.type}: {r.error.message}" if r.error else "no answer"
+            records.append(RequestRecord(started_at=0.0, error=why))
+            continue
+        t = r.timings
+        delivered = len(r.output_ids)
+        steps = r.spec_verify_ct
+        if steps is None and 0 < t.decode_steps < delivered - 1:
+            # Fewer passes than tokens: several tokens accepted per pass, which is drafting
+            # whether or not the engine counts it as SGLang does.
+            steps = t.decode_steps
+        records.append(
+            RequestRecord(
+                started_at=t.start_s,
+                ok=True,
+                prompt_tokens=r.prompt_tokens,
+                output_tokens=delivered,
+                streamed_tokens=delivered,
+                server_tokens=r.completion_tokens,
+                ttft_s=t.ttft_s,
+                e2el_s=t.ttft_s + t.decode_s,
+                spec_verify_ct=steps,
+            )
+        )
+    timed = [r for r in records if r.ok and r.e2el_s is not None]
+    span = (
+        max(r.started_at + (r.e2el_s or 0.0) for r in timed) - min(r.started_at for r in timed)
+        if timed
+        else 0.0
+    )
+    return BenchMetrics.of(
+        records,
+        span,
+        max_concurrency=size,
+        request_rate=None,
+        burstiness=1.0,
+        client=ENGINE_TIMINGS,
+        output_len=output_len,
+        slo=slo,
+    )
 
 
 def _spec_counters(be: HttpBackend) -> SpecCounters | None:
@@ -297,6 +415,7 @@ class ThroughputGate(Gate):
         drafting = drafting if auto else []
         requests, workload = build_requests(ctx.inventory, settings, text=bool(drafting) or None)
         random_ids = requests[0].input_ids is not None
+        offline = settings.mode == OFFLINE
         info = None
         source = ""
         base_points: list[BenchMetrics] | None = None
@@ -317,10 +436,40 @@ class ThroughputGate(Gate):
                         f"concurrency where this one takes {settings.repeats}"
                     )
             with ctx.backend(backend) as be:
-                info = be.info()
-                if baseline is None or base_points is not None:
+                if offline:
+                    runs, info, untimed = measure_offline(
+                        ctx, _command_engine(be), settings, requests
+                    )
+                    if untimed is not None:
+                        return self.result(
+                            ctx,
+                            backend,
+                            started=started,
+                            baseline=baseline,
+                            verdict="inconclusive",
+                            reasons=[f"{backend}: {untimed}"],
+                            info=info,
+                            workload=workload,
+                            details={"mode": OFFLINE},
+                        )
+                    if baseline is not None and base_points is None:
+                        with ctx.backend(baseline) as base_be:
+                            (base_runs,) = measure(ctx, [base_be], settings, requests)
+                        base_points = [r.median for r in base_runs]
+                        source = (
+                            f"{baseline}'s served load measured now, as no recorded run of this "
+                            "workload matches what it serves now"
+                            + (
+                                f" ({ctx.passed_over[baseline]})"
+                                if baseline in ctx.passed_over
+                                else ""
+                            )
+                        )
+                elif baseline is None or base_points is not None:
+                    info = be.info()
                     (runs,) = measure(ctx, [be], settings, requests)
                 else:
+                    info = be.info()
                     with ctx.backend(baseline) as base_be:
                         base_runs, runs = measure(ctx, [base_be, be], settings, requests)
                     base_points = [r.median for r in base_runs]
@@ -339,16 +488,27 @@ class ThroughputGate(Gate):
             )
         points = [r.median for r in runs]
         metrics, reasons, verdict = judge(
-            settings, points, base_points, backend=backend, random_ids=random_ids
+            settings, points, base_points, backend=backend, random_ids=random_ids, offline=offline
         )
         if settings.repeats > 1:
-            for at, mine in enumerate(runs):
+            base_by = {r.median.max_concurrency: r for r in base_runs}
+            for mine in runs:
+                size = mine.median.max_concurrency
                 spreads = [f"{backend} {mine.spread()}"]
-                if base_runs:
-                    spreads.append(f"{baseline} {base_runs[at].spread()}")
-                reasons.append(f"concurrency {mine.median.max_concurrency}: {'; '.join(spreads)}")
+                if size in base_by:
+                    spreads.append(f"{baseline} {base_by[size].spread()}")
+                word = "batch" if offline else "concurrency"
+                reasons.append(f"{word} {size}: {'; '.join(spreads)}")
         if source:
             reasons.insert(0, f"compared with {source}")
+        if offline:
+            reasons.insert(
+                0,
+                f"offline batch: the figures are {backend}'s own timings of its generation "
+                "loop, reported in its command contract's response, not kdctl's measurement of "
+                "a served load; each batch size is compared with the baseline's served load at "
+                "that concurrency, and the result stands for no served comparison",
+            )
         if random_ids:
             for name, why in unread.items():
                 reasons.append(
@@ -379,11 +539,22 @@ class ThroughputGate(Gate):
             info=info,
             workload=workload,
             details={
+                "mode": OFFLINE if offline else "served",
                 "points": [p.model_dump(mode="json") for p in points],
                 "baseline_points": [p.model_dump(mode="json") for p in base_points or []],
                 "repeats": settings.repeats,
             },
         )
+
+
+def _command_engine(be: Backend) -> NativeCommandBackend:
+    if not isinstance(be, NativeCommandBackend):
+        raise InputError(
+            f"backend {be.name}: gates.throughput.mode: {OFFLINE} measures a command-mode "
+            f"engine by its own timings; kind {be.kind} here is served, so measure its served "
+            "load (unset mode, or served)"
+        )
+    return be
 
 
 def judge(
@@ -393,11 +564,17 @@ def judge(
     *,
     backend: str,
     random_ids: bool,
+    offline: bool = False,
 ) -> tuple[list[Metric], list[str], Verdict]:
     """Every concurrency must hold the ratio and every SLO. A run in which every request failed
     measured nothing and fails; an SLO or ratio that could not be measured otherwise (no
     baseline run to divide by, no second token to time) is inconclusive; and so is a run with
-    neither a baseline nor an SLO, which has nothing to be judged against. None is a pass."""
+    neither a baseline nor an SLO, which has nothing to be judged against. None is a pass.
+
+    `offline` points are an engine's own timings of its batch runs (`bN.` metrics, no ITL):
+    each is held to the baseline's served run at that concurrency, and a batch size the
+    workload does not pin (batch 1) is shown beside them, not judged, where it has none."""
+    prefix, word = ("b", "batch") if offline else ("c", "concurrency")
     pct = settings.slo_percentile
     metrics: list[Metric] = []
     reasons: list[str] = []
@@ -409,8 +586,8 @@ def judge(
     decided = False
     base_by = {b.max_concurrency: b for b in base_points or []}
     for p in points:
-        c = f"c{p.max_concurrency}"
-        at = f"concurrency {p.max_concurrency}"
+        c = f"{prefix}{p.max_concurrency}"
+        at = f"{word} {p.max_concurrency}"
         none_ok = p.completed == 0
         metrics += [
             Metric(name=f"{c}.output_throughput", value=p.output_throughput, unit="tok/s"),
@@ -427,6 +604,8 @@ def judge(
                 Metric(name=f"{c}.request_goodput", value=p.request_goodput, unit="req/s")
             )
         for stat in ("ttft", "itl", "tpot", "e2el"):
+            if offline and stat == "itl":
+                continue  # nothing times the gaps between an offline run's tokens
             s = getattr(p, f"{stat}_ms")
             metrics.append(Metric(name=f"{c}.median_{stat}_ms", value=s.p50, unit="ms"))
         if p.spec_accept_length is not None:
@@ -449,6 +628,8 @@ def judge(
             )
         for stat, field in _SLOS:
             limit = getattr(settings, field)
+            if offline and stat == "itl" and limit is None:
+                continue
             value = getattr(getattr(p, f"{stat}_ms"), pct)
             m = Metric(
                 name=f"{c}.{pct}_{stat}_ms",
@@ -467,8 +648,9 @@ def judge(
                 )
             elif m.unmeasured and not none_ok:
                 reasons.append(
-                    f"{at}: {pct} {stat.upper()} was not measured ({_unmeasured_why(stat)}), so "
-                    f"its SLO of {limit:g} ms could not be judged"
+                    f"{at}: {pct} {stat.upper()} was not measured "
+                    f"({_unmeasured_why(stat, offline)}), so its SLO of {limit:g} ms could not "
+                    "be judged"
                 )
         if p.token_count_mismatches:
             reasons.append(
@@ -485,14 +667,21 @@ def judge(
                 )
         if base_points is None:
             continue
-        decided = True
         base = base_by.get(p.max_concurrency)
+        if offline and base is None and p.max_concurrency not in settings.workload.concurrency:
+            reasons.append(
+                f"{at}: {p.output_throughput:.1f} tok/s, shown, not compared: the baseline's "
+                f"run has no concurrency {p.max_concurrency}"
+            )
+            continue
+        decided = True
         usable = base is not None and base.output_throughput > 0
         ratio = round(p.output_throughput / base.output_throughput, 4) if base and usable else None
         # Two runs of different output lengths are not one workload: their ratio is shown,
         # not judged, either way (see `short`).
         unequal = bool(p.short_outputs or (base is not None and base.short_outputs))
-        paths = _across_paths(p, base, backend)
+        # The engine's own timings took no path to be measured through.
+        paths = None if offline else _across_paths(p, base, backend)
         if paths:
             across.append(f"{at}: {paths}")
         unjudged = unequal or paths is not None
@@ -515,10 +704,11 @@ def judge(
         if none_ok:
             continue
         assert ratio is not None
-        word = "holds" if ratio >= settings.min_ratio else "is below"
+        holds = "holds" if ratio >= settings.min_ratio else "is below"
+        whose = f" (its served load at concurrency {base.max_concurrency})" if offline else ""
         line = (
-            f"{at}: {p.output_throughput:.1f} tok/s against {base.output_throughput:.1f}, "
-            f"ratio {ratio:.3f} {word} {settings.min_ratio:g}"
+            f"{at}: {p.output_throughput:.1f} tok/s against {base.output_throughput:.1f}"
+            f"{whose}, ratio {ratio:.3f} {holds} {settings.min_ratio:g}"
         )
         if unequal:
             reasons.append(f"{line}, not judged: the outputs were of other lengths")
@@ -526,7 +716,7 @@ def judge(
         if paths:
             reasons.append(f"{line}, not judged: the two runs took other paths")
             continue
-        (reasons if word == "holds" else findings).append(line)
+        (reasons if holds == "holds" else findings).append(line)
     verdict = decide(metrics, findings)
     if short or across:
         reasons = short + across + reasons
@@ -545,10 +735,13 @@ def judge(
         # A speculative decoder's speed is a property of the text it drafts on: random token
         # ids accept almost nothing, so figures on them say little of the engine either way.
         verdict = "inconclusive"
+        # `auto` asks served engines whether they draft; an engine run offline is not asked
+        # (a run of its binary to find out costs its load), so only `text` chooses text for it.
+        sources = "text" if offline else "auto or text"
         reasons.insert(
             0,
             f"{' and '.join(speculative)} decode speculatively, and the workload is random "
-            "token ids: set gates.throughput.workload.source to auto or text (or prompts to a "
+            f"token ids: set gates.throughput.workload.source to {sources} (or prompts to a "
             "text corpus) to judge speed",
         )
     return metrics, findings + reasons, verdict
@@ -574,7 +767,9 @@ def _across_paths(run: BenchMetrics, base: BenchMetrics | None, backend: str) ->
     )
 
 
-def _unmeasured_why(stat: str) -> str:
+def _unmeasured_why(stat: str, offline: bool = False) -> str:
+    if offline and stat == "itl":
+        return "an engine's timings of a batch carry no gaps between tokens"
     return {
         "ttft": "no request streamed a token",
         "e2el": "no request completed",

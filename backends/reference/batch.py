@@ -10,22 +10,31 @@ import json
 import os
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from kdctl import __version__
-from kdctl.backends._types import EngineInfo
+from kdctl.backends._types import EngineInfo, GenerateResult
 from kdctl.backends.contract import (
     EXIT_BAD_REQUEST,
     EXIT_ENGINE_FAILURE,
     EXIT_OK,
     ContractError,
+    ContractRequest,
     ContractResult,
+    ContractTimings,
     RequestFile,
     ResponseFile,
 )
 from kdctl.errors import InputError
+
+if TYPE_CHECKING:
+    from kdctl.backends.reference.engine import ReferenceEngine
 
 
 def run_contract(
@@ -48,18 +57,7 @@ def run_contract(
     except Exception as exc:
         print(f"cannot load {model_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ENGINE_FAILURE
-    results = []
-    for req in batch.requests:
-        try:
-            out = engine.generate(req)
-        except InputError as exc:
-            results.append(
-                ContractResult(
-                    id=req.id, error=ContractError(type="invalid_request", message=str(exc))
-                )
-            )
-            continue
-        results.append(ContractResult(id=req.id, **out.model_dump()))
+    results = generate_timed(engine, batch.requests, batch.batch_size or 1)
     answer = ResponseFile(
         engine=EngineInfo(
             model=str(model_dir),
@@ -77,3 +75,62 @@ def run_contract(
         fh.write(answer.model_dump_json())
     os.replace(tmp, response)
     return EXIT_OK
+
+
+@dataclass
+class _Slot:
+    """One admitted request: its steps, and the clock read around them."""
+
+    req: ContractRequest
+    steps: Iterator[tuple[GenerateResult, bool]]
+    admitted: float
+    first: float | None = None
+    last: float = 0.0
+    yields: int = 0
+    result: GenerateResult | None = None
+
+
+def generate_timed(
+    engine: ReferenceEngine, requests: list[ContractRequest], batch_size: int
+) -> list[ContractResult]:
+    """Every request's result and the timings of its steps: up to `batch_size` generate at
+    once, admitted in order, the next as one finishes. The engine computes one step at a
+    time, so the admitted take turns step by step, as they do in its server under that many
+    clients: a turn waited for is in the figures, never left out of them."""
+    results: dict[str, ContractResult] = {}
+    waiting = list(reversed(requests))
+    active: list[_Slot] = []
+    origin: float | None = None
+    while waiting or active:
+        while waiting and len(active) < batch_size:
+            req = waiting.pop()
+            now = time.perf_counter()
+            origin = now if origin is None else origin
+            active.append(_Slot(req=req, steps=engine.steps(req), admitted=now))
+        for slot in list(active):
+            try:
+                slot.result, finish = next(slot.steps)
+            except InputError as exc:
+                error = ContractError(type="invalid_request", message=str(exc))
+                results[slot.req.id] = ContractResult(id=slot.req.id, error=error)
+                active.remove(slot)
+                continue
+            except StopIteration:
+                finish = True
+            else:
+                slot.last = time.perf_counter()
+                slot.first = slot.last if slot.first is None else slot.first
+                slot.yields += 1
+            if finish:
+                assert origin is not None and slot.result is not None and slot.first is not None
+                timings = ContractTimings(
+                    start_s=slot.admitted - origin,
+                    ttft_s=slot.first - slot.admitted,
+                    decode_s=slot.last - slot.first,
+                    decode_steps=slot.yields - 1,
+                )
+                results[slot.req.id] = ContractResult(
+                    id=slot.req.id, timings=timings, **slot.result.model_dump()
+                )
+                active.remove(slot)
+    return [results[r.id] for r in requests]

@@ -349,8 +349,19 @@ class ThroughputWorkload(_Model):
         return self
 
 
+def _served_unset(value: str | None) -> str | None:
+    # The served comparison is kept as no mode at all: results recorded before the setting
+    # existed were served loads, and still meet the criteria that ask for one.
+    return None if value == "served" else value
+
+
 class ThroughputSettings(_Model):
     workload: ThroughputWorkload = ThroughputWorkload()
+    # What is compared. served (unset): kdctl's load generator against the engine's server.
+    # offline-batch: a command-mode engine's own timings of its batch runs, at batch 1 and at
+    # every concurrency, against the baseline's served run of the same prompts at that
+    # concurrency; never a result that meets a criterion asking for the served comparison.
+    mode: Annotated[Literal["served", "offline-batch"] | None, AfterValidator(_served_unset)] = None
     # Candidate output token throughput over the baseline's, at every concurrency.
     min_ratio: Annotated[float, Field(gt=0)] = 1.0
     slo_ttft_ms: Annotated[float, Field(gt=0)] | None = None

@@ -680,8 +680,9 @@ def judge(
         # Two runs of different output lengths are not one workload: their ratio is shown,
         # not judged, either way (see `short`).
         unequal = bool(p.short_outputs or (base is not None and base.short_outputs))
-        # The engine's own timings took no path to be measured through.
-        paths = None if offline else _across_paths(p, base, backend)
+        # The engine's own timings took no path to be measured through; but a batch run
+        # admits requests as places free, which only an unpaced served run did too.
+        paths = _paced(settings) if offline else _across_paths(p, base, backend)
         if paths:
             across.append(f"{at}: {paths}")
         unjudged = unequal or paths is not None
@@ -714,7 +715,8 @@ def judge(
             reasons.append(f"{line}, not judged: the outputs were of other lengths")
             continue
         if paths:
-            reasons.append(f"{line}, not judged: the two runs took other paths")
+            other = "were paced otherwise" if offline else "took other paths"
+            reasons.append(f"{line}, not judged: the two runs {other}")
             continue
         (reasons if holds == "holds" else findings).append(line)
     verdict = decide(metrics, findings)
@@ -764,6 +766,19 @@ def _across_paths(run: BenchMetrics, base: BenchMetrics | None, backend: str) ->
         f"{backend} was measured {_path_words(run.http_path)} and the baseline "
         f"{_path_words(base.http_path)}: the tunnel's own cost is in one figure only, so the "
         "ratio is shown, not judged (measure both the same way, e.g. http: ssh on both hosts)"
+    )
+
+
+def _paced(settings: ThroughputSettings) -> str | None:
+    """Why a batch run and the baseline's served run of a paced workload are no comparison;
+    None where the workload sends all at once."""
+    rate = settings.workload.request_rate
+    if rate is None:
+        return None
+    return (
+        f"the baseline's served run was paced at {rate:g} requests a second, and a batch run "
+        "admits requests as places free: the ratio is shown, not judged (unset "
+        "workload.request_rate to compare the two)"
     )
 
 

@@ -222,3 +222,50 @@ def test_timings_that_break_the_contract_are_named(tmp_path: Path) -> None:
     timings = {"start_s": 0.0, "ttft_s": -1.0, "decode_s": 0.1, "decode_steps": 2}
     with pytest.raises(BackendProtocolError, match=r"results\.0\.timings\.ttft_s"):
         run_batch(scripted_engine(tmp_path, {"timings": timings}))
+
+
+def test_a_paced_workload_and_an_unpinned_batch_are_shown_not_judged() -> None:
+    """Batch 1 beside a workload that pins only concurrency 4 has no served run to divide by;
+    a workload paced by request rate is no comparison for a batch run, which admits requests
+    as places free: both ratios are shown, and neither passes."""
+    from kdctl.checks.throughput import ENGINE_TIMINGS, judge
+    from kdctl.inventory.models import ThroughputSettings
+    from kdctl.loadgen import BenchMetrics, RequestRecord
+
+    def point(size: int, client: str, seconds: float) -> BenchMetrics:
+        records = [
+            RequestRecord(started_at=0.0, ok=True, output_tokens=8, ttft_s=0.01, e2el_s=0.05)
+            for _ in range(4)
+        ]
+        return BenchMetrics.of(
+            records,
+            seconds,
+            max_concurrency=size,
+            request_rate=None,
+            burstiness=1.0,
+            client=client,
+            output_len=8,
+            slo=None,
+        )
+
+    mine = [point(1, ENGINE_TIMINGS, 0.4), point(4, ENGINE_TIMINGS, 0.1)]
+    served = [point(4, "aiohttp", 0.2)]
+    settings = ThroughputSettings.model_validate(
+        {"mode": "offline-batch", "min_ratio": 1.0, "workload": {"concurrency": [4]}}
+    )
+    metrics, reasons, verdict = judge(
+        settings, mine, served, backend="candidate", random_ids=True, offline=True
+    )
+    ratios = {m.name: m for m in metrics if m.name.endswith(".ratio")}
+    assert verdict == "pass" and list(ratios) == ["b4.ratio"] and ratios["b4.ratio"].value == 2.0
+    assert any(r.startswith("batch 1: 80.0 tok/s, shown, not compared") for r in reasons)
+
+    paced = settings.model_copy(
+        update={"workload": settings.workload.model_copy(update={"request_rate": 2.0})}
+    )
+    metrics, reasons, verdict = judge(
+        paced, mine, served, backend="candidate", random_ids=True, offline=True
+    )
+    assert verdict == "inconclusive"
+    assert any("paced at 2 requests a second" in r for r in reasons)
+    assert {m.name: m for m in metrics}["b4.ratio"].threshold is None

@@ -238,7 +238,8 @@ def freshness_window(inv: LoadedInventory, gate: str) -> timedelta:
     cls = gate_class(gate)
     configured = inv.spec.gates.freshness
     for name in configured:
-        if name not in gates():
+        # `baseline`: how long a recorded baseline stands (kdctl.recording.baseline_window).
+        if name not in gates() and name != "baseline":
             raise InputError(f"gates.freshness.{name}: unknown gate {name!r}")
     if gate in configured:
         return parse_duration(configured[gate])

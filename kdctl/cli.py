@@ -481,14 +481,28 @@ def baseline_record(
         Literal["golden", "throughput", "api"] | None,
         typer.Option("--only", help="Record only this kind."),
     ] = None,
+    plan: Annotated[
+        bool,
+        typer.Option(
+            "--plan", help="Print what would run and the box time it may take; run nothing."
+        ),
+    ] = False,
 ) -> None:
     """Record golden outputs (token ids and top-k logprobs over the exactness corpus) and a
     throughput run of the gate's workload, from the engine serving today."""
-    from kdctl.recording import BASELINE_KINDS, record_baseline
-    from kdctl.tables import baseline_line, progress_bars
+    from kdctl.recording import BASELINE_KINDS, plan_baseline, record_baseline
+    from kdctl.tables import baseline_line, progress_bars, recording_plan_lines
 
     kinds = BASELINE_KINDS if only is None else (only,)
     inv = _load(inventory, state_dir)
+    if plan:
+        with _store_for(inv) as store:
+            planned = plan_baseline(inv, store, backend, kinds)
+        if json_:
+            _print_json({"plan": [p.model_dump(mode="json") for p in planned]})
+        else:
+            _print_lines(recording_plan_lines(backend, planned))
+        return
     with _store_for(inv) as store, progress_bars(err, not json_) as progress:
         recorded = record_baseline(inv, store, backend, kinds, progress=progress)
     if json_:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from pydantic import BaseModel
 
 from kdctl.checks import (
     Baseline,
@@ -17,14 +21,44 @@ from kdctl.checks import (
     gates,
     utcnow,
 )
-from kdctl.checks.api_conformance import record_api
-from kdctl.checks.exactness import record_golden
+from kdctl.checks.api_conformance import PROBES, record_api
+from kdctl.checks.exactness import corpus_path, load_corpus, record_golden
 from kdctl.checks.signoff import sign_off
 from kdctl.checks.throughput import record_throughput
 from kdctl.evidence import EvidenceStore
 from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
-from kdctl.session import Session, check_names, using
+from kdctl.inventory.models import parse_duration
+from kdctl.session import Identity, Session, check_names, using
+
+
+def baseline_window(inv: LoadedInventory, kind: BaselineKind) -> tuple[timedelta, str] | None:
+    """How long a recorded baseline of `kind` stands, and the window's name. The engine serving
+    today must be restarted to be measured again, so its records may have a window of their
+    own (`gates.freshness.baseline`); unset, a throughput run stands as long as the throughput
+    gate's results (a speed is the machine's as much as the build's: drivers, clocks, firmware,
+    none of which the identity holds), and golden outputs and API answers as long as what they
+    were measured on is what runs."""
+    configured = inv.spec.gates.freshness
+    if "baseline" in configured:
+        return parse_duration(configured["baseline"]), "the baseline window"
+    if kind == "throughput":
+        return freshness_window(inv, "throughput"), "the throughput window"
+    return None
+
+
+def baseline_gaps(inv: LoadedInventory, b: Baseline, now: Identity) -> list[str]:
+    """Why a recorded baseline does not describe the engine as it is now; empty where it does.
+    An engine that answers is held to what it reports; one that does not (stopped for a swap)
+    to what its host shows (the checkpoint's fingerprint, the host's id) and the inventory
+    declares."""
+    fields = None if now.live else ("weights", "host_id")
+    gaps = b.provenance.differs_from(now.provenance, fields)
+    window = baseline_window(inv, b.kind)
+    age = utcnow() - b.created_at
+    if not gaps and window is not None and age > window[0]:
+        gaps.append(f"recorded {age_text(age)} ago, past {window[1]} of {age_text(window[0])}")
+    return gaps
 
 
 @contextmanager
@@ -45,25 +79,10 @@ def gate_context(
             if not found:
                 return None
             (now,) = s.identify([name]).values()
-            # A run recorded on another build, checkpoint, host or TP measured something else.
-            # An engine that answers is held to what it reports; one that does not (stopped
-            # for a swap) to what its host shows (the checkpoint's fingerprint, the host's id)
-            # and the inventory declares, and the result carries the record's identity for
-            # freshness to hold against what is deployed.
-            fields = None if now.live else ("weights", "host_id")
-            gaps = [b.provenance.differs_from(now.provenance, fields) for b in found]
-            if kind == "throughput":
-                # A speed is the machine's as much as the build's (drivers, clocks, firmware,
-                # none of which the identity holds): a run is a denominator only as long as
-                # the gate's own results count.
-                window = freshness_window(inv, "throughput")
-                for b, gap in zip(found, gaps, strict=True):
-                    age = utcnow() - b.created_at
-                    if not gap and age > window:
-                        gap.append(
-                            f"recorded {age_text(age)} ago, past the throughput window of "
-                            f"{age_text(window)}"
-                        )
+            # A run recorded on another build, checkpoint, host or TP measured something else;
+            # the result carries the record's identity for freshness to hold against what is
+            # deployed.
+            gaps = [baseline_gaps(inv, b, now) for b in found]
             chosen = next((b for b, gap in zip(found, gaps, strict=True) if not gap), None)
             if chosen is None:
                 ctx.passed_over[name] = (
@@ -194,3 +213,190 @@ def record_signoff(
             result.reasons.append(now.note)
     store.record(result)
     return result
+
+
+class PlannedRecording(BaseModel):
+    """What `kdctl baseline record` would run for one kind, and the box time it may take."""
+
+    kind: BaselineKind
+    what: str
+    requests: int
+    output_tokens: int
+    # Seconds, from this engine's own recorded throughput; None where nothing gives a rate.
+    estimate_s: float | None = None
+    basis: str
+
+
+def plan_baseline(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    backend: str,
+    kinds: tuple[BaselineKind, ...] = BASELINE_KINDS,
+) -> list[PlannedRecording]:
+    """What recording the baselines of `backend` would send, without sending anything: the
+    engine serving today holds the box while it is measured. The time is estimated from its
+    newest recorded throughput run (output tokens a second at each concurrency), said so."""
+    check_names(inv, backend)
+    rates, basis = _recorded_rates(store, backend)
+    plans: list[PlannedRecording] = []
+    for kind in kinds:
+        if kind == "golden":
+            settings = inv.spec.gates.exactness
+            corpus = load_corpus(corpus_path(inv, settings))
+            tokens = len(corpus) * settings.max_new_tokens
+            # One prompt at a time: a prompt's first token and its decode steps, at the
+            # lowest concurrency recorded (a higher one's TPOT makes it a little long).
+            low = min(rates) if rates else None
+            seconds = (
+                len(corpus) * (rates[low].ttft_s + settings.max_new_tokens * rates[low].tpot_s)
+                if low is not None
+                else None
+            )
+            plans.append(
+                PlannedRecording(
+                    kind=kind,
+                    what=f"{len(corpus)} prompts, up to {settings.max_new_tokens} tokens each, "
+                    f"greedy, top-{settings.top_k} logprobs, one at a time",
+                    requests=len(corpus),
+                    output_tokens=tokens,
+                    estimate_s=seconds,
+                    basis=basis
+                    if low is None
+                    else f"{basis}: median TTFT and TPOT at concurrency {low}",
+                )
+            )
+        elif kind == "throughput":
+            plans += _plan_throughput(inv, rates, basis)
+        else:
+            plans.append(
+                PlannedRecording(
+                    kind=kind,
+                    what=f"{len(PROBES)} API probes (routes, fields, streams, error codes)",
+                    requests=len(PROBES),
+                    output_tokens=0,
+                    estimate_s=None,
+                    basis="a few seconds: short requests",
+                )
+            )
+    return plans
+
+
+def _plan_throughput(
+    inv: LoadedInventory, rates: dict[int, _Rate], basis: str
+) -> list[PlannedRecording]:
+    settings = inv.spec.gates.throughput
+    w = settings.workload
+    # Under `source: auto` with no prompt file, both workloads are recorded (record_throughput).
+    both = w.source == "auto" and not w.prompts
+    variants = ["random ids", "the text corpus"] if both else [str(w.prompts or w.source)]
+    plans = []
+    for variant in variants:
+        per_run = w.num_prompts * w.output_len
+        runs = len(w.concurrency) * settings.repeats
+        warm = sum(c if w.warmup_requests is None else w.warmup_requests for c in w.concurrency)
+        known = all(c in rates for c in w.concurrency)
+        seconds = (
+            sum(settings.repeats * per_run / rates[c].output_tok_s for c in w.concurrency)
+            if known
+            else None
+        )
+        plans.append(
+            PlannedRecording(
+                kind="throughput",
+                what=f"{variant}: {w.num_prompts} prompts of {w.input_len} tokens, "
+                f"{w.output_len} out, at concurrency {', '.join(map(str, w.concurrency))}, "
+                f"{settings.repeats} run(s) each, {warm * settings.repeats} warm-up requests",
+                requests=(w.num_prompts * runs) + warm * settings.repeats,
+                output_tokens=per_run * runs,
+                estimate_s=seconds,
+                basis=basis if known or not rates else f"{basis}; not at every concurrency asked",
+            )
+        )
+    return plans
+
+
+@dataclass(frozen=True)
+class _Rate:
+    output_tok_s: float
+    ttft_s: float
+    tpot_s: float
+
+
+def _recorded_rates(store: EvidenceStore, backend: str) -> tuple[dict[int, _Rate], str]:
+    """Output tokens a second and the median TTFT and TPOT by concurrency, from the newest
+    throughput run recorded of `backend`, and where they come from."""
+    for b in store.baselines(backend=backend, kind="throughput"):
+        rates = {
+            int(p["max_concurrency"]): _Rate(
+                float(p["output_throughput"]),
+                float(p["ttft_ms"]["p50"]) / 1000,
+                float(p["tpot_ms"]["p50"]) / 1000,
+            )
+            for p in b.payload.get("points", [])
+            if p.get("output_throughput") and p.get("ttft_ms") and p.get("tpot_ms")
+        }
+        if rates:
+            shown = ", ".join(
+                f"{r.output_tok_s:.0f} tok/s at concurrency {c}" for c, r in sorted(rates.items())
+            )
+            return rates, f"from its throughput baseline of {b.created_at:%Y-%m-%d} ({shown})"
+    return {}, f"no throughput of {backend} recorded yet"
+
+
+class BaselineCoverage(BaseModel):
+    """One recorded baseline as `status` shows it: what it holds, its age, whether it still
+    describes the engine as it is now."""
+
+    backend: str
+    kind: BaselineKind
+    id: str
+    workload_hash: str
+    holds: str
+    recorded_at: datetime
+    age: str
+    # None where who the engine is now is not known.
+    current: bool | None = None
+    why: str | None = None
+
+
+def baseline_coverage(
+    inv: LoadedInventory, store: EvidenceStore, identities: Mapping[str, Identity]
+) -> list[BaselineCoverage]:
+    """The newest recorded baseline of each kind and workload of every backend."""
+    now = utcnow()
+    found: list[BaselineCoverage] = []
+    for name in inv.backends:
+        seen: set[tuple[str, str]] = set()
+        for b in store.baselines(backend=name):
+            if (b.kind, b.workload_hash) in seen:
+                continue
+            seen.add((b.kind, b.workload_hash))
+            ident = identities.get(name)
+            gaps = baseline_gaps(inv, b, ident) if ident is not None else None
+            found.append(
+                BaselineCoverage(
+                    backend=name,
+                    kind=b.kind,
+                    id=b.id,
+                    workload_hash=b.workload_hash,
+                    holds=_holds(b),
+                    recorded_at=b.created_at,
+                    age=age_text(now - b.created_at),
+                    current=None if gaps is None else not gaps,
+                    why="; ".join(gaps) if gaps else None,
+                )
+            )
+    return found
+
+
+def _holds(b: Baseline) -> str:
+    if b.kind == "api":
+        return f"answers to {len(b.payload.get('answers', {}))} API probes"
+    if b.kind == "golden":
+        return f"golden outputs of {len(b.payload.get('outputs', []))} prompts"
+    points = ", ".join(
+        f"{float(p['output_throughput']):.0f} tok/s at {p['max_concurrency']}"
+        for p in b.payload.get("points", [])
+        if p.get("output_throughput") is not None
+    )
+    return f"throughput: {points or 'no figures'}"

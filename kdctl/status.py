@@ -25,6 +25,7 @@ from kdctl.probes import (
     probe_xids,
 )
 from kdctl.readiness import Answers, LatestVerdict, assess, latest_verdicts
+from kdctl.recording import BaselineCoverage, baseline_coverage
 from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
 from kdctl.session import Identity, Session, using
 from kdctl.traffic import open_journal
@@ -97,6 +98,8 @@ class StatusReport(BaseModel):
     # The three answers, and the newest verdict of every gate for every backend.
     answers: Answers | None = None
     gates: list[LatestVerdict] = []
+    # The recorded baselines: what each holds, its age, whether it describes the engine now.
+    baselines: list[BaselineCoverage] = []
     # The end-to-end probe the traffic line and the serving answer are both built from.
     _serving: ServingProbe | None = PrivateAttr(default=None)
 
@@ -200,6 +203,7 @@ def status_report(
             if ident.provenance.engine_version:
                 b.version = ident.provenance.engine_version + ("" if ident.live else " (recorded)")
     report.gates = latest_verdicts(inventory, store, identities=identities)
+    report.baselines = baseline_coverage(inventory, store, identities)
     return report
 
 

@@ -25,6 +25,7 @@ from kdctl.evidence import Imported
 from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.readiness import Answers
+from kdctl.recording import PlannedRecording
 from kdctl.records import Baseline, GateResult
 from kdctl.roadmap import CriterionStatus, Measured, PhaseReport
 from kdctl.sandbox import HistoryPoint, SandboxStatus
@@ -195,6 +196,26 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
                 _t(holds),
             )
         parts.append(verdicts)
+    if report.baselines:
+        rows = [
+            {
+                "backend": _t(c.backend),
+                "kind": _t(c.kind),
+                "holds": _t(c.holds),
+                "workload": _t(c.workload_hash),
+                "recorded": _t(f"{c.recorded_at:%Y-%m-%d %H:%M}"),
+                "age": _t(c.age),
+                "describes it now": Text(
+                    "-" if c.current is None else "yes" if c.current else (c.why or "no"),
+                    "" if c.current is not False else "yellow",
+                ),
+            }
+            for c in report.baselines
+        ]
+        cols = ("backend", "kind", "holds", "workload", "recorded", "age", "describes it now")
+        parts.append(
+            _rows_table("Recorded baselines", cols, rows, wide=wide)
+        )
     if report.answers is not None:
         parts.insert(0, answers_text(report.answers))
     return Group(*parts)
@@ -301,6 +322,31 @@ def progress_bars(
             progress.update(bars[what], completed=done, total=total)
 
         yield hook
+
+
+def recording_plan_lines(backend: str, planned: list[PlannedRecording]) -> list[str]:
+    """`baseline record --plan`: each recording, what it sends and how long it may hold the box."""
+    out = [f"Recording the baselines of {backend} would run (nothing is sent now):"]
+    for p in planned:
+        took = f"about {_duration(p.estimate_s)}" if p.estimate_s is not None else "time unknown"
+        out.append(
+            f"  {p.kind}: {p.what}; {p.requests} requests, {p.output_tokens} output tokens; "
+            f"{took} ({p.basis})"
+        )
+    known = [p.estimate_s for p in planned if p.estimate_s is not None]
+    if known and len(known) == sum(p.output_tokens > 0 for p in planned):
+        out.append(f"In all: about {_duration(sum(known))} of the engine's time, plus its warm-up.")
+    else:
+        out.append("In all: not estimated (no recorded rate for every part).")
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def baseline_line(b: Baseline) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import select
 import shutil
 import socket
 import tempfile
@@ -121,15 +120,26 @@ def async_http_client(*, connections: int, **kwargs: Any) -> httpx.AsyncClient:
 
 class TcpChannel(Protocol):
     """A connection to one TCP endpoint carried by another connection (an SSH channel): the
-    calls of a socket that kdctl's HTTP makes on it."""
+    calls kdctl's HTTP makes on it, a socket's and a paramiko Channel's.
+
+    Never its fileno(): paramiko makes a pipe for it, which Channel.close() closes while the
+    transport's thread may still write to it as data arrives; the EPIPE that write then meets
+    ends the whole SSH connection, every other channel with it (seen under load: a few runs
+    in ten). Readiness is asked with recv_ready() and the end flags instead."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def eof_received(self) -> int: ...
 
     def settimeout(self, timeout: float | None) -> None: ...
 
     def recv(self, nbytes: int) -> bytes: ...
 
-    def sendall(self, s: bytes) -> None: ...
+    def recv_ready(self) -> bool: ...
 
-    def fileno(self) -> int: ...
+    def sendall(self, s: bytes) -> None: ...
 
     def close(self) -> None: ...
 
@@ -140,7 +150,7 @@ class TcpChannel(Protocol):
 ChannelOpener = Callable[[str, int, float], TcpChannel]
 
 HttpMode = Literal["auto", "ssh"]
-Path = Literal["direct", "ssh"]
+Way = Literal["direct", "ssh"]
 Origin = tuple[str, str, int]
 
 
@@ -149,7 +159,7 @@ class Reach:
     """How requests to one URL travel now."""
 
     # "direct" or "ssh"; None while `auto` has not connected yet, or no path worked.
-    path: Path | None
+    path: Way | None
     # The inventory host whose SSH connection carries them.
     via: str
     # Why the tunnel, where it is used ("its URL names the box's own loopback"; "direct
@@ -167,7 +177,7 @@ class Reach:
         fallback from a direct connect that failed (the surprise a reader must be told)."""
         if self.path != "ssh":
             return None
-        fallback = self.why is not None and self.why.startswith("direct connect")
+        fallback = self.why is not None and self.why.startswith(("direct connect", "no direct"))
         return f"reached through SSH to {self.via}" + (f": {self.why}" if fallback else "")
 
     @property
@@ -199,6 +209,8 @@ def _why_not(exc: BaseException) -> str:
         return "direct connect timed out"
     if "refused" in text:
         return "direct connect refused"
+    if "no route" in text or "unreachable" in text:
+        return "no direct route"
     return f"direct connect failed ({exc})"
 
 
@@ -218,7 +230,7 @@ class _Route:
         self.via = via
         self.opener = opener
         self.mode = mode
-        self.path: Path | None = None
+        self.path: Way | None = None
         self.why: str | None = None
         self.box_said: str | None = None
         self.tunnel_error: str | None = None
@@ -240,7 +252,7 @@ class _Route:
     def reach(self) -> Reach:
         return Reach(self.path, self.via, self.why, self.box_said, self.tunnel_error)
 
-    def _decided(self, path: Path, why: str | None = None) -> None:
+    def _decided(self, path: Way, why: str | None = None) -> None:
         with self._lock:
             if self.path is None:
                 self.path, self.why = path, why
@@ -478,10 +490,9 @@ class _ChannelStream(httpcore.NetworkStream):
 
     def get_extra_info(self, info: str) -> Any:
         if info == "is_readable":
-            # An idle pooled connection that is readable was closed by the server; the
-            # channel's descriptor is readable on data and on close alike, as a socket's is.
-            ready, _, _ = select.select([self._chan], [], [], 0)
-            return bool(ready)
+            # An idle pooled connection that is readable was closed by the server.
+            chan = self._chan
+            return chan.recv_ready() or chan.eof_received or chan.closed
         return None
 
 
@@ -529,38 +540,34 @@ class _SyncRouteBackend(httpcore.NetworkBackend):
 
 
 class _AsyncChannelStream(httpcore.AsyncNetworkStream):
-    """httpcore's async stream over a channel. A read waits on the event loop for the
-    channel's descriptor (readable on data and on close alike) and takes what paramiko has
-    buffered, with no thread: a thread per read would also hold one of anyio's 40 workers
-    while a stream waits for its next token. A write, which may wait for the SSH window, goes
-    to a thread; a request is one or two of them. Measured at 64 streams from a server that
-    streams as fast as the socket takes it (benchmarks/tunnel_cost.py's, 4 interleaved rounds,
-    httpx): about 35,000 tok/s this way, 33,500 with a thread per read, 24,700 through the
-    forwarder's socket, 37,500 directly."""
+    """httpcore's async stream over a channel: each read and write in a thread (paramiko's
+    calls block; its descriptor is not to be used, see TcpChannel). A stream has a limiter
+    of its own, so a read waiting for its next token never holds a worker another stream's
+    read needs, as anyio's shared 40 would at more streams than that. At 64 streams from a
+    server that streams as fast as the socket takes it (benchmarks/tunnel_cost.py --server
+    fast --client httpx): 0.96 +/- 0.07 of the direct path's rate, about 35,000 tok/s; in
+    one interleaved comparison, 33,500 this way against 24,700 through the forwarder's
+    socket."""
 
     def __init__(self, chan: TcpChannel) -> None:
         self._chan = chan
+        self._sync = _ChannelStream(chan)
+        self._limiter = anyio.CapacityLimiter(1)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            with anyio.fail_after(timeout):
-                await anyio.wait_readable(self._chan)
-        except TimeoutError:
-            raise httpcore.ReadTimeout("no answer through the SSH channel in time") from None
-        try:
-            return self._chan.recv(max_bytes)
-        except (OSError, EOFError) as exc:
-            raise httpcore.ReadError(str(exc) or type(exc).__name__) from None
+        return await anyio.to_thread.run_sync(
+            self._sync.read, max_bytes, timeout, limiter=self._limiter
+        )
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if buffer:
-            await anyio.to_thread.run_sync(_ChannelStream(self._chan).write, buffer, timeout)
+            await anyio.to_thread.run_sync(self._sync.write, buffer, timeout, limiter=self._limiter)
 
     async def aclose(self) -> None:
         self._chan.close()
 
     def get_extra_info(self, info: str) -> Any:
-        return _ChannelStream(self._chan).get_extra_info(info)
+        return self._sync.get_extra_info(info)
 
 
 class _AsyncRouteBackend(httpcore.AsyncNetworkBackend):
@@ -669,23 +676,52 @@ class _Forwarder:
     def _carry(self, conn: socket.socket) -> None:
         with self._lock:
             self._live.add(conn)
-        chan: TcpChannel | None = None
         try:
             # The client sees the connection close unanswered; why is on the route, where
             # the load generator reads it.
-            with contextlib.suppress(httpcore.ConnectError):
-                chan = self._route.channel(self._timeout)
-            if chan is not None:
-                with self._lock:
-                    self._live.add(chan)
-                _splice(conn, chan)
+            chan = self._route.channel(self._timeout)
+        except httpcore.ConnectError:
+            self._end(conn)
+            return
+        with self._lock:
+            self._live.add(chan)
+        # One thread each way, blocking: paramiko's calls block, and its descriptor is not
+        # to be used (see TcpChannel).
+        threading.Thread(target=self._to_box, args=(conn, chan), daemon=True).start()
+        try:
+            while data := chan.recv(_CHUNK):
+                conn.sendall(data)
+        except (OSError, EOFError):
+            pass  # either end gone: both are ended below
         finally:
-            for end in (conn, chan):
-                if end is not None:
-                    with self._lock:
-                        self._live.discard(end)
-                    with contextlib.suppress(OSError, EOFError):
-                        end.close()
+            self._end(conn, chan)
+
+    def _to_box(self, conn: socket.socket, chan: TcpChannel) -> None:
+        try:
+            while data := conn.recv(_CHUNK):
+                if chan.eof_received or chan.closed:
+                    # The box's end finished this connection: what the client sends now
+                    # would follow it, for a channel sshd may already have let go of.
+                    break
+                chan.sendall(data)
+        except (OSError, EOFError):
+            pass  # either end gone: both are ended below
+        finally:
+            self._end(conn, chan)
+
+    def _end(self, conn: socket.socket, chan: TcpChannel | None = None) -> None:
+        """Both ends closed, once, whichever direction ends first: an HTTP exchange has no
+        half-closed state worth keeping. shutdown() wakes the other direction's recv()."""
+        with self._lock:
+            self._live.discard(conn)
+            if chan is not None:
+                self._live.discard(chan)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        if chan is not None:
+            with contextlib.suppress(OSError, EOFError):
+                chan.close()
 
     def close(self) -> None:
         # shutdown() wakes the accept() of the serving thread on Linux; close() alone does not.
@@ -698,19 +734,3 @@ class _Forwarder:
             with contextlib.suppress(OSError, EOFError):
                 end.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _splice(conn: socket.socket, chan: TcpChannel) -> None:
-    """Bytes both ways until either end closes: an HTTP exchange has no half-closed state
-    worth keeping, and either end closing ends the other."""
-    try:
-        while True:
-            ready, _, _ = select.select([conn, chan], [], [])
-            for end in ready:
-                data = end.recv(_CHUNK)
-                if not data:
-                    return
-                (chan if end is conn else conn).sendall(data)
-    except (OSError, EOFError, ValueError):
-        # ValueError: an end closed under select() by close() of the whole forwarder.
-        return

@@ -64,6 +64,9 @@ class Boxed:
     candidate_port: int
     nginx_port: int
     include: Path
+    # An address of the box that this machine has no route to (the candidate listens there
+    # too): a direct connect fails at once, the box's sshd reaches it.
+    hidden: str
 
 
 def _nginx_conf(root: Path, include: Path) -> Path:
@@ -99,9 +102,10 @@ for port in sys.argv[1:]:
 
 @pytest.fixture(scope="module")
 def boxed(models: dict[str, Path]) -> Iterator[Boxed]:
-    """The box, the two engines on its loopback (the candidate also on its address, so one
-    path to it is direct), nginx on its loopback sending all to the baseline, run by the SSH
-    login so that kdctl can reload it."""
+    """The box, the two engines on its loopback (the candidate on every address of the box:
+    reached directly on its veth address, and only through SSH on one this machine has no
+    route to), nginx on its loopback sending all to the baseline, run by the SSH login so
+    that kdctl can reload it."""
     if os.geteuid() != 0:
         pytest.skip("a network namespace needs root")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
@@ -110,6 +114,7 @@ def boxed(models: dict[str, Path]) -> Iterator[Boxed]:
     box = make_box(root / "box", f"hs{worker}"[:9])
     procs: list[subprocess.Popen[bytes]] = []
     nginx_root = root / "nginx"
+    hidden: str | None = None
     try:
         ports = (free_port(), free_port(), free_port())
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -120,7 +125,11 @@ def boxed(models: dict[str, Path]) -> Iterator[Boxed]:
             )
         (nginx_root / "tmp").mkdir(parents=True)
         include = nginx_root / "kdctl.conf"
-        boxed = Boxed(box, root, ports[0], ports[1], ports[2], include)
+        hidden = "10.78." + box.address.split(".", 2)[2]
+        _run_ok(box.run(["ip", "addr", "add", f"{hidden}/32", "dev", "lo"]))
+        _run_ok(subprocess.run(["ip", "route", "replace", "unreachable", f"{hidden}/32"],
+                               capture_output=True, text=True))  # fmt: skip
+        boxed = Boxed(box, root, ports[0], ports[1], ports[2], include, hidden)
         from kdctl.inventory import load_inventory
         from kdctl.traffic.nginx import NginxRouter
         from kdctl.transports import LocalTransport
@@ -144,6 +153,8 @@ def boxed(models: dict[str, Path]) -> Iterator[Boxed]:
         assert ready.returncode == 0, ready.stderr
         yield boxed
     finally:
+        if hidden is not None:
+            subprocess.run(["ip", "route", "del", f"{hidden}/32"], capture_output=True)
         stop_nginx(nginx_root / "nginx.pid")
         for proc in procs:
             proc.terminate()
@@ -151,6 +162,10 @@ def boxed(models: dict[str, Path]) -> Iterator[Boxed]:
             proc.wait(10)
         box.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_ok(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 0, done.stderr
 
 
 def inventory(b: Boxed, *, http: str | None = None, router: bool = True, **extra: Any) -> dict:
@@ -219,6 +234,13 @@ def test_status_through_the_tunnel_names_the_engine_serving(boxed: Boxed, tmp_pa
     assert "candidate (reached through SSH to box)" in serving["detail"]
     text = kdctl("status", "-i", str(ssh))
     assert "Serving now:" in text.out and "baseline" in text.out, text.out + text.err
+
+    # auto, on an address of the box with no route from here: the tunnel, saying why.
+    data = inventory(boxed, router=False)
+    data["backends"]["candidate"]["url"] = f"http://{boxed.hidden}:{boxed.candidate_port}"
+    fallback = write_inventory(tmp_path / "fallback.yaml", data)
+    serving = status(fallback)["answers"]["serving"]
+    assert "candidate (reached through SSH to box: no direct route)" in serving["detail"], serving
 
 
 def test_direct_is_unknown_and_unreachable_never_down_nor_nothing(

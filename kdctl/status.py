@@ -366,6 +366,15 @@ def _collect(
         services=services,
         timeout_s=min(deadline_s, 5.0),
     )
+    # The front-door probe asked each host whether an engine that refused from here listens
+    # there: such an engine is out of reach from here, not down, nor starting.
+    answered = {e.name: e for e in serving.engines}
+    for status in backends:
+        e = answered.get(status.name)
+        if e is not None and e.unreachable:
+            status.state, status.detail = "unknown", e.detail
+        elif e is not None and e.reached and status.detail is None:
+            status.detail = e.reached
     report = StatusReport(
         inventory=str(inventory.path),
         hosts=hosts,

@@ -256,6 +256,10 @@ def test_direct_is_unknown_and_unreachable_never_down_nor_nothing(
     assert "nothing" not in detail and "down" not in detail
     engines = {e["name"]: e for e in serving["engines"]}
     assert engines["baseline"]["unreachable"] and engines["baseline"]["state"] == "unknown"
+    # The backend's own row says the same, not "down" nor "starting".
+    rows = {b["name"]: b for b in doc["backends"]}
+    assert rows["baseline"]["state"] == "unknown", rows["baseline"]
+    assert "unreachable from here" in rows["baseline"]["detail"], rows["baseline"]
     text = kdctl("status", "-i", str(inv))
     line = next(x for x in text.out.splitlines() if "Serving now:" in x)
     assert "Serving now: unknown" in line and "unreachable from here" in line, line

@@ -39,10 +39,14 @@ class Estimate(BaseModel):
     late: list[str] = []
     detail: str
 
+    # When it was worked out: within a day of it, the hour says more than the date.
+    made_at: datetime | None = None
+
     def short(self) -> str:
         if self.at is None:
             return "no estimate"
-        return f"estimate {self.at:%Y-%m-%d}"
+        soon = self.made_at is not None and (self.at - self.made_at).total_seconds() < 86400
+        return f"estimate {self.at:%Y-%m-%d %H:%M}" if soon else f"estimate {self.at:%Y-%m-%d}"
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def critical_path(
         )
     dated = [got for _, got in found if got is not None]
     if not dated:
-        return Estimate(at=now, detail="every prerequisite is done")
+        return Estimate(at=now, made_at=now, detail="every prerequisite is done")
     at, path = max(dated, key=lambda g: g[0])
     measured = [s.phase for s in path if s.forecast]
     steps = ", ".join(f"{s.phase} {s.takes}" for s in path)
@@ -122,6 +126,7 @@ def critical_path(
     )
     return Estimate(
         at=at,
+        made_at=now,
         path=path,
         forecast_on_path=measured,
         detail=f"estimate {at:%Y-%m-%d} (critical path: {steps or 'none'}); {trend}",

@@ -16,19 +16,19 @@ import os
 import re
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-import httpcore
 import httpx
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from kdctl import _redact
+from kdctl._httpclient import TcpChannel, Tunnels, http_client
 from kdctl.errors import HostKeyError, InputError, KdctlError
 from kdctl.inventory import BackendSpec, HostSpec, load_inventory
 from kdctl.probes.discovery import (
@@ -151,58 +151,43 @@ class EngineAnswer(BaseModel):
     error: str | None = None
 
 
-class _ChannelStream(httpcore.NetworkStream):
-    """An SSH channel as the byte stream an HTTP/1.1 connection reads and writes."""
-
-    def __init__(self, channel: Any) -> None:
-        self.channel = channel
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        self.channel.settimeout(timeout)
-        data: bytes = self.channel.recv(max_bytes)
-        return data
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self.channel.settimeout(timeout)
-        self.channel.sendall(buffer)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def get_extra_info(self, info: str) -> Any:
-        return None
+def _get(client: httpx.Client, url: str) -> tuple[int, bytes]:
+    """GET `url`: its status and at most _BODY_CAP bytes of its body, read no further (an
+    engine answers these routes in a few KiB; a stray server may not stop)."""
+    with client.stream("GET", url, headers={"Accept": "application/json"}) as answer:
+        body = bytearray()
+        for chunk in answer.iter_bytes():
+            body += chunk
+            if len(body) >= _BODY_CAP:
+                break
+        return answer.status_code, bytes(body[:_BODY_CAP])
 
 
-def _get(transport: Transport, host: str, port: int, path: str) -> tuple[int, bytes]:
-    """GET `path` from HOST:PORT as the host itself dials it: through a direct-tcpip channel
-    of the SSH connection, or directly on this machine. Raises OSError-like failures."""
-    if isinstance(transport, LocalTransport):
-        netloc = f"[{host}]" if ":" in host else host
-        with httpx.Client(trust_env=False, timeout=_HTTP_TIMEOUT_S) as client:
-            answer = client.get(f"http://{netloc}:{port}{path}")
-            return answer.status_code, answer.content[:_BODY_CAP]
-    from kdctl.transports.ssh import SSHTransport
+EngineAsker = Callable[[str, str, int], EngineAnswer]
 
-    if not isinstance(transport, SSHTransport):
-        raise OSError("this transport cannot reach an engine's port")
-    # The transport has no channel of its own to offer: one is opened on the connection it
-    # holds, so the request leaves from the box, as a client there would send it.
-    session = transport._connected().get_transport()
-    if session is None:
-        raise OSError("the SSH connection is closed")
-    channel = session.open_channel(
-        "direct-tcpip", (host, port), ("127.0.0.1", 0), timeout=_HTTP_TIMEOUT_S
-    )
-    origin = httpcore.Origin(b"http", host.encode(), port)
-    with httpcore.HTTP11Connection(origin, _ChannelStream(channel)) as connection:
-        netloc = f"[{host}]" if ":" in host else host
-        response = connection.request(
-            "GET",
-            httpcore.URL(scheme="http", host=host, port=port, target=path),
-            headers=[(b"Host", f"{netloc}:{port}".encode()), (b"Accept", b"application/json")],
-            extensions={"timeout": dict.fromkeys(("connect", "read", "write"), _HTTP_TIMEOUT_S)},
-        )
-        return response.status, response.content[:_BODY_CAP]
+
+@contextlib.contextmanager
+def _engine_asker(transport: Transport) -> Iterator[EngineAsker]:
+    """(kind, host, port) -> what that engine says, asked as the host itself dials it: on this
+    machine directly, else through channels of the transport's one SSH connection (kdctl's
+    HTTP tunnel, as `http: ssh` sends it), so an engine on the box's loopback answers too."""
+    tunnels = Tunnels()
+
+    def opener(host: str, port: int, timeout: float) -> TcpChannel:
+        return transport.open_channel(host, port, timeout=timeout)
+
+    def ask(kind: str, host: str, port: int) -> EngineAnswer:
+        url = f"http://{_netloc(host, port)}"
+        if not isinstance(transport, LocalTransport):
+            tunnels.add(url, via=transport.name, mode="ssh", ssh_address=None, opener=opener)
+        # No environment proxy: the request is the host's own, to its own address.
+        with http_client(trust_env=False, timeout=_HTTP_TIMEOUT_S) as client:
+            return ask_engine(client, kind, url)
+
+    try:
+        yield ask
+    finally:
+        tunnels.close()
 
 
 def _json(body: bytes) -> Any:
@@ -212,18 +197,18 @@ def _json(body: bytes) -> Any:
         return None
 
 
-def ask_engine(transport: Transport, kind: str, host: str, port: int) -> EngineAnswer:
+def ask_engine(client: httpx.Client, kind: str, url: str) -> EngineAnswer:
     """The engine's own word on its model, served name and TP size: SGLang's `/server_info`
     (`/get_server_info` before 0.4.6) and `/v1/models`; vLLM's `/v1/models`."""
     answer = EngineAnswer()
     routes = ["/v1/models"] if kind == "vllm" else ["/server_info", "/v1/models"]
     for route in routes:
         try:
-            status, body = _get(transport, host, port, route)
+            status, body = _get(client, url + route)
             if status == 404 and route == "/server_info":
                 route = "/get_server_info"
-                status, body = _get(transport, host, port, route)
-        except Exception as exc:  # paramiko's, httpcore's and sockets' errors alike
+                status, body = _get(client, url + route)
+        except httpx.HTTPError as exc:  # the tunnel's failures come as httpx's too
             answer.error = f"{route}: {type(exc).__name__}: {exc}".strip()[:200]
             return answer
         if status in (401, 403):
@@ -725,19 +710,20 @@ def _write(req: InitRequest, spec: HostSpec, transport: Transport, facts: HostFa
         engines,
         key=lambda e: (not e.running, e.elsewhere, e.listener is None, _engine_name(e)),
     )
-    for engine in order:
-        name = _unique(_engine_name(engine), taken)
-        cmd = engine.command
-        answer = None
-        _, dial, only_loopback = _url_host(cmd.bind, address)
-        if engine.listener is not None and not engine.elsewhere and cmd.kind != "sglang-router":
-            answer = ask_engine(transport, cmd.kind, dial, cmd.port)
-        if engine.running and not engine.elsewhere and only_loopback and not local:
-            loopback_only = True
-        backend = _backend(
-            name, engine, answer, host_name=host_name, address=address, host_gpus=host_gpus
-        )
-        backends.append(backend)
+    with _engine_asker(transport) as ask:
+        for engine in order:
+            name = _unique(_engine_name(engine), taken)
+            cmd = engine.command
+            answer = None
+            _, dial, only_loopback = _url_host(cmd.bind, address)
+            if engine.listener is not None and not engine.elsewhere and cmd.kind != "sglang-router":
+                answer = ask(cmd.kind, dial, cmd.port)
+            if engine.running and not engine.elsewhere and only_loopback and not local:
+                loopback_only = True
+            backend = _backend(
+                name, engine, answer, host_name=host_name, address=address, host_gpus=host_gpus
+            )
+            backends.append(backend)
     doc = _Yaml()
     data: dict[str, Any] = {}
     target = "this machine" if local else spec.target

@@ -6,15 +6,18 @@ nginx in front, and a stopped SGLang unit, read by the real command."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -431,6 +434,111 @@ def test_init_on_this_machine_writes_what_inventory_check_accepts(tmp_path: Path
     assert kdctl("inventory", "check", "-i", str(out)).code == 0
 
 
+class _Channel:
+    """One end of a socket pair as an SSH channel: what kdctl's tunnel calls on one."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.closed = False
+        self.eof_received = 0
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def recv(self, nbytes: int) -> bytes:
+        return self.sock.recv(nbytes)
+
+    def recv_ready(self) -> bool:
+        return False
+
+    def sendall(self, s: bytes) -> None:
+        self.sock.sendall(s)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+class _Sshd:
+    """A host's SSH connection as init uses it: each channel opened is answered by `answer`
+    (the first request line -> the whole answer), or refused as a box's sshd refuses."""
+
+    name = "box"
+
+    def __init__(self, answer: Callable[[str], bytes] | None) -> None:
+        self.answer = answer
+        self.dialled: list[tuple[str, int]] = []
+        self.requests: list[str] = []
+
+    def open_channel(self, host: str, port: int, *, timeout: float) -> _Channel:
+        self.dialled.append((host, port))
+        if self.answer is None:
+            raise ConnectionRefusedError(f"{host}:{port} on box: connection refused")
+        ours, theirs = socket.socketpair()
+        threading.Thread(target=self._serve, args=(theirs,), daemon=True).start()
+        return _Channel(ours)
+
+    def _serve(self, sock: socket.socket) -> None:
+        assert self.answer is not None
+        with sock:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(4096)
+            request = head.decode().split("\r\n")
+            self.requests.append(request[0] + " " + next(h for h in request if h[:5] == "Host:"))
+            with contextlib.suppress(OSError):
+                sock.sendall(self.answer(request[0].split()[1]))
+
+
+def _json_answer(body: object) -> bytes:
+    data = json.dumps(body).encode()
+    return f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
+
+
+def test_engines_are_asked_through_the_hosts_ssh_channels() -> None:
+    """Each request leaves from the host (the address it dials, in a channel of its SSH
+    connection); a refusal there is said, typed; a body that does not end is cut at the cap."""
+    from kdctl._httpclient import Tunnels, http_client
+    from kdctl.inventory_init import _BODY_CAP, _engine_asker, _get
+
+    info = {"model_path": "/m/q", "served_model_name": "q", "tp_size": 2, "version": "0.5.23"}
+    models = {"data": [{"id": "q"}]}
+    sshd = _Sshd(lambda path: _json_answer(info if path == "/server_info" else models))
+    with _engine_asker(sshd) as ask:  # type: ignore[arg-type]
+        answer = ask("sglang", "127.0.0.1", 30000)
+    assert answer.error is None and answer.route == "/server_info"
+    assert (answer.model, answer.served_name, answer.tp_size) == ("/m/q", "q", 2)
+    assert set(sshd.dialled) == {("127.0.0.1", 30000)}
+    assert sshd.requests == [
+        "GET /server_info HTTP/1.1 Host: 127.0.0.1:30000",
+        "GET /v1/models HTTP/1.1 Host: 127.0.0.1:30000",
+    ]
+
+    refused = _Sshd(None)
+    with _engine_asker(refused) as ask:  # type: ignore[arg-type]
+        answer = ask("sglang", "::1", 30000)
+    assert answer.error is not None and answer.error.startswith("/server_info: ConnectError: ")
+    assert "through SSH to box: ::1:30000 on box: connection refused" in answer.error
+
+    endless = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + b"[" * (3 * _BODY_CAP)
+    sshd = _Sshd(lambda path: endless)
+    tunnels = Tunnels()
+    url = "http://127.0.0.1:30000"
+    tunnels.add(
+        url,
+        via="box",
+        mode="ssh",
+        ssh_address=None,
+        opener=lambda host, port, timeout: sshd.open_channel(host, port, timeout=timeout),
+    )
+    try:
+        with http_client(trust_env=False, timeout=5) as client:
+            status, body = _get(client, url + "/server_info")
+    finally:
+        tunnels.close()
+    assert status == 200 and len(body) == _BODY_CAP
+
+
 # --- a box read over SSH -----------------------------------------------------------------------
 
 SGLANG_PORT, REFERENCE_PORT, NGINX_PORT = 30000, 31000, 8000
@@ -699,6 +807,52 @@ def test_init_reads_the_box_over_ssh(initbox: InitBox, tmp_path: Path) -> None:
     code, _, err = _init(ib, out, known, "--force")
     assert code == 0, err
     assert yaml.safe_load(out.read_text())["backends"]["sglang"] == backends["sglang"]
+
+    # kdctl status with the file as written: the host's `http: ssh` sends every request
+    # through the box's sshd, the only way to its loopback. Every key variable the file names
+    # must be set to load it; the stopped unit's is never sent anywhere that answers.
+    env = {"SGLANG_API_KEY": ib.key, "KIMI_API_KEY": "sk-" + secrets.token_hex(8)}
+    run = kdctl("status", "-i", str(out), "--json", env=env, timeout=120)
+    assert run.code == 0, run.err
+    assert ib.key not in run.out + run.err
+    report = json.loads(run.out)
+    (box_status,) = report["hosts"]
+    assert box_status["name"] == host and box_status["reachable"], box_status
+    seen = {b["name"]: b for b in report["backends"]}
+    assert set(seen) == set(backends)
+    through = f"reached through SSH to {host}"
+    for name, served in (("sglang", "tiny"), (f"reference-{REFERENCE_PORT}", "ref-tiny")):
+        engine = seen[name]
+        assert engine["state"] == "up" and engine["identity"] == "live", engine
+        assert engine["served_name"] == served and engine["detail"] == through, engine
+    # The stopped unit: nothing listens on the box's port 30001, as the box itself says.
+    assert seen["sglang-kimi"]["state"] == "down", seen["sglang-kimi"]
+    assert seen["sglang-kimi"]["detail"] == "connection refused"
+    # Services: the reference's pidfile holds its pid; no systemd runs in the box, so a
+    # unit's state is unknown, with systemctl's own reason.
+    ref_service = seen[f"reference-{REFERENCE_PORT}"]["service"]
+    assert ref_service["kind"] == "command" and ref_service["state"] == "running"
+    assert ref_service["pid"] == ib.reference_pid
+    for name in ("sglang", "sglang-kimi"):
+        service = seen[name]["service"]
+        assert service["kind"] == "systemd" and service["state"] == "unknown", service
+        assert service["detail"], service
+
+    # nginx answers through its front, by its own upstream (conf.d/llm.conf): kdctl's file,
+    # the `include:` written as a guess, is not there, so which engine answered is not known.
+    traffic = report["traffic"]
+    assert traffic["router"] == "nginx" and traffic["front"]["answered"] is True, traffic
+    assert traffic["front"]["reached"] == through
+    assert "/etc/nginx/conf.d/kdctl.conf" in traffic["detail"]
+    serving = report["answers"]["serving"]
+    assert serving["state"] == "serving" and serving["backend"] is None, serving
+    assert "the router's weights were not read back" in serving["detail"]
+    shown = kdctl("status", "-i", str(out), env=env, timeout=120)
+    assert shown.code == 0, shown.err
+    assert ib.key not in shown.out + shown.err
+    assert shown.out.splitlines()[0].startswith(
+        f"1. Serving now: an engine the router does not name through nginx on {host}:{NGINX_PORT}"
+    ), shown.out
 
 
 def test_the_inventory_written_from_recorded_facts(tmp_path: Path) -> None:

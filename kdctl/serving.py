@@ -536,7 +536,12 @@ def _judge(
             "runs the configuration it last loaded (kdctl cutover --resume applies it, kdctl "
             "rollback undoes it)",
         )
-    notes += [f"{e.name} is up and receives no traffic" for e in idle_up]
+    if routed.error:
+        # Without the router's weights, which engines it sends to is not known: an engine that
+        # answers and did not answer the probe may be taking its share all the same.
+        notes += [f"{e.name} is up (its share of the traffic not known)" for e in idle_up]
+    else:
+        notes += [f"{e.name} is up and receives no traffic" for e in idle_up]
     unknown_workers = routed.unknown_workers(inv)
     if unknown_workers:
         # Whatever they serve takes its share of the traffic, unseen by the inventory.

@@ -152,9 +152,12 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
     t = report.traffic
     if t.router:
         split = ", ".join(f"{k} {v}%" for k, v in t.weights.items()) or "nothing"
-        where = t.detail or f"from {t.source}"
-        traffic = Text(f"Traffic: {t.router} on {t.router_host} ({t.listen}): configured to send ")
-        traffic.append(f"{split} ({where})")
+        traffic = Text(f"Traffic: {t.router} on {t.router_host} ({t.listen}): ")
+        if t.detail:
+            # Not read back: what it is configured to send is not known, not "nothing".
+            traffic.append(f"its weights are not known: {t.detail}")
+        else:
+            traffic.append(f"configured to send {split} (from {t.source})")
         if t.applied is False:
             traffic.append("; WRITTEN, NOT APPLIED: nginx runs what it last loaded", "yellow")
         if t.front is not None:
@@ -213,9 +216,7 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
             for c in report.baselines
         ]
         cols = ("backend", "kind", "holds", "workload", "recorded", "age", "describes it now")
-        parts.append(
-            _rows_table("Recorded baselines", cols, rows, wide=wide)
-        )
+        parts.append(_rows_table("Recorded baselines", cols, rows, wide=wide))
     if report.answers is not None:
         parts.insert(0, answers_text(report.answers))
     return Group(*parts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -119,12 +120,14 @@ def test_command_mode_over_ssh(fleet, models: dict[str, Path]) -> None:  # type:
 
     # As root: this machine's Python lives under /root, which the plain test login cannot enter.
     host = HostSpec.model_validate(fleet.host_entry("plain", user="root"))
+    # A folder of its own: command-mode runs of other tests, in parallel, write to /tmp too.
+    workdir = Path(tempfile.mkdtemp(prefix="kdctl-workdir-"))
     spec = BackendSpec.model_validate(
         {
             "kind": "native",
             "mode": "command",
             "host": "plain",
-            "workdir": "/tmp",
+            "workdir": str(workdir),
             "command": [
                 sys.executable,
                 "-m",
@@ -140,12 +143,11 @@ def test_command_mode_over_ssh(fleet, models: dict[str, Path]) -> None:  # type:
         "plain", host, known_hosts=fleet.known_hosts, identity_file=fleet.userkey
     ) as t:
         be = make_backend("native", spec, transport=t)
-        # Files of other runs (a killed one leaves its own) are not this test's business.
-        earlier = set(Path("/tmp").glob("kdctl-*.json"))
         got = be.generate(
             GenerateRequest(input_ids=[40, 41, 42], max_new_tokens=5, ignore_eos=True)
         )
         assert got.completion_tokens == 5
         assert be.info().model == str(models["dsv3"])
-        # The host is this machine: its /tmp holds no request or response file afterwards.
-        assert not set(Path("/tmp").glob("kdctl-*.json")) - earlier
+        # The host is this machine: its work folder holds no request or response file after.
+        assert not list(workdir.glob("kdctl-*.json"))
+    workdir.rmdir()

@@ -53,6 +53,9 @@ def test_wheel_layout(wheel: Path) -> None:
         "rich",
         "pydantic",
         "httpx",
+        # httpx's own transport layer and its async runtime, which the SSH tunnel plugs into.
+        "httpcore",
+        "anyio",
         "aiohttp",
         "orjson",
         "paramiko",

@@ -382,6 +382,10 @@ _LONGEST_FIRST = (
     "test_traffic_faults.py",
     "test_vllm.py",
     "test_sglang_live.py",
+    # A real SGLang and nginx in a box, reference servers in another, trends measured for real.
+    "test_init.py",
+    "test_http_over_ssh.py",
+    "test_trends.py",
 )
 
 

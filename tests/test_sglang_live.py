@@ -57,8 +57,6 @@ def sglang(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
         *("--grammar-backend", "none", "--max-total-tokens", "8192", "--enable-metrics"),
         # Its scheduler otherwise polls for work on a whole core while idle.
         "--sleep-on-idle",
-        # Its start-up generation costs half a minute here; the tests' own requests warm it.
-        "--skip-server-warmup",
     ]
     with log.open("wb") as fh:
         # Its own session: SGLang's scheduler and detokenizer are children to stop with it.

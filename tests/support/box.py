@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.sshd import SSHD, ensure_probe_user, keygen
+from tests.support.sshd import SSHD, ensure_probe_user, keygen, write_sshd_config
 
 
 def _run(*argv: str) -> None:
@@ -121,28 +121,13 @@ def make_box(root: Path, name: str, *, mounts: Mapping[str, Path] | None = None)
     kind, b64 = (root / "hostkey.pub").read_text().split()[:2]
     known_hosts = root / "known_hosts"
     known_hosts.write_text(f"{box_ip} {kind} {b64}\n")
-    config = root / "sshd_config"
-    config.write_text(
-        "\n".join(
-            [
-                "Port 22",
-                f"ListenAddress {box_ip}",
-                f"HostKey {hostkey}",
-                f"AuthorizedKeysFile {authorized}",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "PermitRootLogin prohibit-password",
-                f"PidFile {root / 'sshd.pid'}",
-                "StrictModes no",
-                "UsePAM no",
-                "AllowTcpForwarding yes",
-                # kdctl moves files (nginx's configuration, its read-back) over SFTP.
-                "Subsystem sftp internal-sftp",
-                "MaxStartups 100:30:200",
-                "MaxSessions 50",
-                "",
-            ]
-        )
+    config = write_sshd_config(
+        root,
+        port=22,
+        listen=box_ip,
+        hostkey=hostkey,
+        authorized_keys=authorized,
+        extra=["AllowTcpForwarding yes"],
     )
     sshd = [SSHD, "-f", str(config), "-E", str(root / "sshd.log")]
     if mounts:

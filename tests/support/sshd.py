@@ -50,6 +50,42 @@ def known_hosts_line(port: int, hostkey_pub: Path) -> str:
     return f"[127.0.0.1]:{port} {kind} {b64}\n"
 
 
+def write_sshd_config(
+    root: Path,
+    *,
+    port: int,
+    listen: str,
+    hostkey: Path,
+    authorized_keys: Path,
+    extra: list[str] | None = None,
+) -> Path:
+    """The test hosts' sshd_config: key logins only, its own host key and pidfile under
+    `root`, SFTP (kdctl moves files with it), room for many parallel sessions."""
+    config = root / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                f"ListenAddress {listen}",
+                f"HostKey {hostkey}",
+                f"AuthorizedKeysFile {authorized_keys}",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                f"PidFile {root / 'sshd.pid'}",
+                "StrictModes no",
+                "UsePAM no",
+                "MaxStartups 100:30:200",
+                "MaxSessions 50",
+                "Subsystem sftp internal-sftp",
+                *(extra or []),
+                "",
+            ]
+        )
+    )
+    return config
+
+
 @dataclass
 class Sshd:
     name: str
@@ -92,27 +128,13 @@ def start_sshd(
         keygen(hostkey)
     port = free_port()
     setenv = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-    config = root / "sshd_config"
-    config.write_text(
-        "\n".join(
-            [
-                f"Port {port}",
-                "ListenAddress 127.0.0.1",
-                f"HostKey {hostkey}",
-                f"AuthorizedKeysFile {authorized_keys}",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "PermitRootLogin prohibit-password",
-                f"PidFile {root / 'sshd.pid'}",
-                "StrictModes no",
-                "UsePAM no",
-                "MaxStartups 100:30:200",
-                "MaxSessions 50",
-                "Subsystem sftp internal-sftp",
-                *([f"SetEnv {setenv}"] if setenv else []),
-                "",
-            ]
-        )
+    config = write_sshd_config(
+        root,
+        port=port,
+        listen="127.0.0.1",
+        hostkey=hostkey,
+        authorized_keys=authorized_keys,
+        extra=[f"SetEnv {setenv}"] if setenv else [],
     )
     subprocess.run([SSHD, "-f", str(config), "-E", str(root / "log")], check=True)
     deadline = time.monotonic() + 10

@@ -3,7 +3,9 @@
 The expectations are not a fixed list: the probes below are sent to the baseline, live or as
 recorded by `kdctl baseline record`, and what it answers (status, content type, the shape of
 every JSON body and stream event, how a stream ends) is what the candidate must match. Values
-differ between engines and are not compared; keys, types, status codes and framing are.
+differ between engines and are not compared; keys, types, status codes and framing are. One
+value is kept beside them: the KV cache's size each engine's /server_info says, as SGLang's
+`max_total_num_tokens`, for a roadmap to hold the candidate's to the baseline's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import httpx
 
 from kdctl._httpclient import http_client
 from kdctl.backends import Backend, HttpBackend
-from kdctl.backends.errors import BackendError, BackendTimeout
+from kdctl.backends.errors import BackendError, BackendHTTPError, BackendTimeout
 from kdctl.backends.health import bearer
 from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.errors import InputError, KdctlError
@@ -218,6 +220,53 @@ def observe(be: Backend) -> dict[str, Any]:
         return {p.name: answer(client, be, p, model) for p in PROBES}
 
 
+# What SGLang's /server_info says of its KV cache: the tokens its pool holds, sized at each start
+# from the memory left after the weights (every captured release has it at the top level).
+KV_CAPACITY = "max_total_num_tokens"
+
+
+def kv_capacity(be: Backend) -> int | None:
+    """The tokens the engine's KV cache holds, as its /server_info (or /get_server_info) says;
+    None where it does not say, or cannot be asked. A figure the API may lack, not a probe."""
+    if not isinstance(be, HttpBackend):
+        return None
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            info = be.http.json("GET", path)
+        except BackendHTTPError as exc:
+            if exc.status == 404:
+                continue
+            return None
+        except KdctlError:
+            return None
+        value = info.get(KV_CAPACITY) if isinstance(info, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        return None
+    return None
+
+
+def kv_findings(
+    kv: int | None, base_kv: int | None, backend: str, baseline: str
+) -> tuple[list[Metric], list[str]]:
+    """The candidate's KV capacity beside the baseline's, for a roadmap to hold to (the gate
+    judges none of it); nothing where neither engine says its own."""
+    if kv is None and base_kv is None:
+        return [], []
+    ratio = round(kv / base_kv, 4) if kv is not None and base_kv is not None else None
+    metrics = [
+        Metric(name="kv_capacity_tokens", value=kv, unit="tokens"),
+        Metric(name="baseline_kv_capacity_tokens", value=base_kv, unit="tokens"),
+        Metric(name="kv_capacity_ratio", value=ratio),
+    ]
+    if ratio is not None:
+        said = f"KV cache: {kv} tokens against {baseline}'s {base_kv} ({ratio:.2f}x)"
+    else:
+        silent = backend if kv is None else baseline
+        said = f"KV cache: {silent} does not say its {KV_CAPACITY} on /server_info, so no ratio"
+    return metrics, [said]
+
+
 def compare(want: dict[str, Any], got: dict[str, Any]) -> dict[str, list[str]]:
     """Per probe, how the candidate's answer departs from the baseline's."""
     found: dict[str, list[str]] = {}
@@ -252,12 +301,13 @@ def record_api(ctx: GateContext, backend: str) -> Baseline:
     with ctx.backend(backend) as be:
         info = be.info()
         answers = observe(be)
+        kv = kv_capacity(be)
     return Baseline(
         backend=backend,
         kind="api",
         workload_hash=API_WORKLOAD,
         provenance=provenance_of(ctx, backend, info, API_WORKLOAD),
-        payload={"answers": answers},
+        payload={"answers": answers, "kv_capacity_tokens": kv},
     )
 
 
@@ -275,14 +325,18 @@ class ApiConformanceGate(Gate):
             recorded = ctx.baseline_lookup(baseline, "api", API_WORKLOAD)
             if recorded is not None:
                 want = recorded.payload["answers"]
+                # Recorded before the figure was kept: none.
+                base_kv = recorded.payload.get("kv_capacity_tokens")
                 source = f"{baseline}'s answers recorded {recorded.created_at:%Y-%m-%d %H:%M}Z"
             else:
                 with ctx.backend(baseline) as base_be:
                     want = observe(base_be)
+                    base_kv = kv_capacity(base_be)
                 source = f"{baseline}'s live answers"
             with ctx.backend(backend) as be:
                 info = be.info()
                 got = observe(be)
+                kv = kv_capacity(be)
         except KdctlError as exc:
             return self.errored(
                 ctx, backend, baseline, exc, info=info, workload=API_WORKLOAD, started=started
@@ -300,6 +354,8 @@ class ApiConformanceGate(Gate):
                 comparison="==",
             ),
         ]
+        capacity, said = kv_findings(kv, base_kv, backend, baseline)
+        metrics += capacity
         reasons = [f"{len(held) - len(found)}/{len(held)} probes answered as {source}"]
         reasons += [f"{name}: {'; '.join(d[:4])}" for name, d in found.items()]
         verdict: Verdict | None = None
@@ -312,6 +368,7 @@ class ApiConformanceGate(Gate):
             # the baseline answered says nothing of the routes it did not.
             if not found:
                 verdict = "inconclusive"
+        reasons += said
         return self.result(
             ctx,
             backend,

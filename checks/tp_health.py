@@ -3,7 +3,8 @@
 On the backend's host, through its transport: GPU rules from nvidia-smi, Xids since the last
 check, the topology, an all-reduce probe launched with torchrun across the TP ranks (NCCL on
 GPUs, gloo across CPU processes where there are none, the same code either way) under a
-wall-clock watchdog, and whether the engine holds memory on every one of its GPUs.
+wall-clock watchdog, and whether the engine holds memory on every one of its GPUs (unless
+`engine_memory: false`: the box checked before the engine can run on it).
 """
 
 from __future__ import annotations
@@ -338,12 +339,18 @@ class TpHealthGate(Gate):
                 failures += topology_findings(
                     probe_topology(transport), tp_gpus, settings.require_nvlink
                 )
-                owners = engine_processes(transport, spec.service)
-                failures += memory_findings(probe.processes, tp_gpus, owners)
-                if owners is None and tp_gpus:
+                if settings.engine_memory is not False:
+                    owners = engine_processes(transport, spec.service)
+                    failures += memory_findings(probe.processes, tp_gpus, owners)
+                    if owners is None and tp_gpus:
+                        reasons.append(
+                            f"engine memory: any process's counts; {backend}'s processes could "
+                            "not be told apart (no service in the inventory, or its state unknown)"
+                        )
+                else:
                     reasons.append(
-                        f"engine memory: any process's counts; {backend}'s processes could not be "
-                        "told apart (no service in the inventory, or its state unknown)"
+                        "engine memory not judged (gates.tp_health.engine_memory: false): the box "
+                        f"is checked for {backend} before it runs on these GPUs"
                     )
                 xids = probe_xids(transport)
                 fresh, unreadable = new_xids(

@@ -32,10 +32,35 @@ def ensure_probe_user() -> str:
     return PROBE_USER
 
 
+# Ports handed out for servers the tests start. Not the kernel's pick (port 0): that comes from
+# the ephemeral range, where every client connection also takes its source port, and two workers
+# asking at once can be given the same free port, one test's engine then answering for another's.
+# Each xdist worker takes its own slice below the ephemeral range instead, and never hands out
+# one port twice; the sandbox's fixed ports (30000 and up, 8000) are outside every slice.
+_PORTS_LOW, _PORTS_HIGH = 10000, 29000
+_handed: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker) if worker.isdigit() else 0
+    width = (_PORTS_HIGH - _PORTS_LOW) // max(count, 1)
+    # A process of its own (a helper the test runs) starts elsewhere in the worker's slice.
+    start = _PORTS_LOW + index * width
+    offset = (os.getpid() * 7919) % width
+    for i in range(width):
+        port = start + (offset + i) % width
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {start}..{start + width - 1}")
 
 
 def keygen(path: Path) -> None:

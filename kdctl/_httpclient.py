@@ -29,6 +29,7 @@ import ipaddress
 import os
 import shutil
 import socket
+import ssl
 import tempfile
 import threading
 import urllib.request
@@ -89,6 +90,22 @@ def _limits(connections: int | None) -> httpx.Limits:
     )
 
 
+_SSL_CONTEXTS: dict[tuple[Any, ...], ssl.SSLContext] = {}
+
+
+def ssl_context(verify: ssl.SSLContext | str | bool = True) -> ssl.SSLContext:
+    """One SSL context per `verify` setting (and CA variables) for the whole process. httpx
+    builds one in every transport it makes, plain-HTTP ones included, reading the CA bundle
+    each time (24 ms of CPU here): a status command makes several clients, a gate more."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    key = (verify, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    ctx = _SSL_CONTEXTS.get(key)
+    if ctx is None:
+        ctx = _SSL_CONTEXTS[key] = httpx.create_ssl_context(verify=verify)
+    return ctx
+
+
 def http_client(*, resend: bool = True, **kwargs: Any) -> httpx.Client:
     """An httpx.Client (its arguments as httpx takes them, proxies from the environment
     included) keeping idle connections below the engines' keep-alive, and sending the origins
@@ -96,8 +113,8 @@ def http_client(*, resend: bool = True, **kwargs: Any) -> httpx.Client:
     unanswered is sent once more."""
     cls = _Resending if resend else httpx.Client
     limits = _limits(None)
+    kwargs["verify"] = verify = ssl_context(kwargs.get("verify", True))
     if "transport" not in kwargs:
-        verify = kwargs.get("verify", True)
         mounts = {p: _SyncRouteTransport(r, limits, verify) for p, r in _mountable()}
         kwargs["mounts"] = {**mounts, **kwargs.get("mounts", {})}
     return cls(limits=limits, **kwargs)
@@ -108,8 +125,8 @@ def async_http_client(*, connections: int, **kwargs: Any) -> httpx.AsyncClient:
     resend, so that a run counts every drop a client would meet, and the origins registered
     for SSH through their host's connection."""
     limits = _limits(connections)
+    kwargs["verify"] = verify = ssl_context(kwargs.get("verify", True))
     if "transport" not in kwargs:
-        verify = kwargs.get("verify", True)
         mounts = {p: _AsyncRouteTransport(r, limits, verify) for p, r in _mountable()}
         kwargs["mounts"] = {**mounts, **kwargs.get("mounts", {})}
     return httpx.AsyncClient(limits=limits, **kwargs)
@@ -621,7 +638,7 @@ class _AsyncRouteBackend(httpcore.AsyncNetworkBackend):
 
 def _pool_settings(limits: httpx.Limits, verify: Any) -> dict[str, Any]:
     return {
-        "ssl_context": httpx.create_ssl_context(verify=verify),
+        "ssl_context": ssl_context(verify),
         "max_connections": limits.max_connections,
         "max_keepalive_connections": limits.max_keepalive_connections,
         "keepalive_expiry": limits.keepalive_expiry,

@@ -64,6 +64,18 @@ _PRELOAD = (
     "kdctl.probes",
     "kdctl.loadgen",
     "kdctl.transports.ssh",
+    "kdctl.tables",
+    "kdctl.checks.health",
+    "kdctl.checks.tp_health",
+    "kdctl.checks.command",
+    "kdctl.checks.exactness",
+    "kdctl.checks.throughput",
+    "kdctl.checks.api_conformance",
+    "kdctl.probes.topology",
+    "kdctl.backends.reference.backend",
+    "pydantic.type_adapter",
+    "rich._emoji_codes",
+    "encodings.idna",
 )
 # Torch is not imported by the CLI's own server: the core CLI does not load it, and a test may
 # hold it to that.
@@ -87,6 +99,13 @@ def _serve(path: str, preload: tuple[str, ...]) -> None:
 
     for name in preload:
         importlib.import_module(name)
+    # What each process makes once, made here so that the forks share it: the click command
+    # typer builds from the app, and the SSL context every HTTP client takes.
+    from kdctl._httpclient import ssl_context
+    from kdctl.cli import command
+
+    command()
+    ssl_context()
     sys.stdout.flush()
     sys.stderr.flush()
     parent = os.getppid()

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kdctl.backends import GenerateRequest, make_backend, vllm_argv, wait_http
 from kdctl.errors import InfraError
 from kdctl.inventory import BackendSpec
 from tests.conftest import kdctl, need_engine, write_inventory
+from tests.support.nginx import start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
 VLLM_PYTHON = Path(
@@ -330,3 +332,77 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
         f"text corpus, from its own counters; {point['output_throughput']:.0f} tok/s against "
         f"{base['output_throughput']:.0f} without drafting"
     )
+
+
+def test_a_canary_between_two_vllm_engines_behind_nginx(
+    vllm: str, vllm_ngram: str, need_nginx: str, tmp_path: Path, report: Any
+) -> None:
+    """Two OpenAI-kind engines behind nginx, vLLM without drafting serving and vLLM drafting
+    as the candidate: the canary's probes speak the OpenAI API through the front, as the
+    engines' clients do, so the cutover is judged on what the engines serve."""
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    port = free_port()
+    root = tmp_path / "nginx"
+    root.mkdir()
+    include = root / "kdctl.conf"
+    roadmap = {
+        "title": "vLLM to vLLM with drafting",
+        "serving": "baseline",
+        "candidate": "candidate",
+        "phases": [{"id": "serving", "title": "Answers", "criteria": [{"gate": "health"}]}],
+    }
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(roadmap, sort_keys=False))
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "baseline": {"kind": "openai", "host": "local", "url": vllm},
+                "candidate": {"kind": "openai", "host": "local", "url": vllm_ngram},
+            },
+            "router": {
+                "kind": "nginx",
+                "host": "local",
+                "listen": f"127.0.0.1:{port}",
+                "serving": "baseline",
+                "include": str(include),
+                "nginx": need_nginx,
+                "prefix": str(root),
+                "conf": str(root / "nginx.conf"),
+            },
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+    loaded = load_inventory(inv)
+    with TransportPool(loaded) as pool:
+        router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
+        include.write_text(router.render({"baseline": 100}))
+    pidfile = start_nginx(root, f"  include {include};", [port])
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health")
+        ran = kdctl("phases", "--run", "-i", str(inv), "--json")
+        assert ran.code == 0, ran.out + ran.err
+        args = ("--strategy", "canary", "--steps", "50,100", "--watch", "2", "--yes")
+        run = kdctl("cutover", "--to", "candidate", *args, "-i", str(inv), "--json", timeout=600)
+        assert run.code == 0, run.out + run.err
+        outcome = json.loads(run.out)
+        assert outcome["state"] == "succeeded", outcome["reason"]
+        assert outcome["router"]["weights"] == {"candidate": 100}
+        watches = outcome["watches"]
+        # One watch, between the 50% step and the last.
+        assert len(watches) == 1 and all(w["sent"] > 0 and w["failed"] == 0 for w in watches)
+        # Each window's TTFT was measured from the OpenAI stream through the front.
+        assert all(w["ttft_p99_ms"] is not None for w in watches), watches
+        status = json.loads(kdctl("status", "-i", str(inv), "--json").out)
+        serving = status["answers"]["serving"]
+        assert (serving["state"], serving["backend"]) == ("serving", "candidate"), serving
+        back = kdctl("rollback", "--yes", "-i", str(inv))
+        assert back.code == 0, back.out + back.err
+    finally:
+        stop_nginx(pidfile)
+    sent = sum(w["sent"] for w in watches)
+    report(f"canary vLLM -> vLLM (drafting) through nginx: {sent} OpenAI probe requests, 0 failed")

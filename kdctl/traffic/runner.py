@@ -24,13 +24,13 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from kdctl._httpclient import http_client
-from kdctl.backends import GenerateRequest, make_backend
+from kdctl.backends import GenerateRequest, HttpBackend, make_backend
 from kdctl.backends.health import probe_health
 from kdctl.backends.sglang import SGLangBackend
 from kdctl.checks.promotion import promotion_result
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
-from kdctl.inventory import BackendSpec, LoadedInventory
+from kdctl.inventory import LoadedInventory
 from kdctl.loadgen import (
     BenchMetrics,
     LoadPlan,
@@ -320,13 +320,19 @@ class Runner:
         and ITL must hold the inventory's SLOs; the candidate must stay healthy."""
         settings = self.inv.spec.gates.throughput
         pct = settings.slo_percentile
-        front = BackendSpec(kind="sglang", host=self.router.spec.host, url=self.router.front_url)
+        # The probes speak the candidate's protocol (SGLang's /generate, the OpenAI API, ...)
+        # to the front, as its clients do once it takes their traffic.
+        front = self.inv.backends[plan.to_backend].model_copy(
+            update={"host": self.router.spec.host, "url": self.router.front_url}
+        )
         # The probes carry the key clients send through the front: the router's own, else the
         # candidate's, which must also open the baseline for clients to survive the cutover.
         key = front_api_key(self.inv, {plan.to_backend: 100})
         be = make_backend("router-front", front, api_key=key)
-        assert isinstance(be, SGLangBackend)
-        be.one_engine = False  # both engines answer through it during a canary
+        if not isinstance(be, HttpBackend):
+            raise InputError(f"{plan.to_backend} is not served over HTTP: no canary to watch")
+        if isinstance(be, SGLangBackend):
+            be.one_engine = False  # both engines answer through it during a canary
         engine_before = engine_counters(self.inv, plan.to_backend)
         deadline = time.monotonic() + seconds
         failed = sent = 0

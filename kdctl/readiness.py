@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import date, datetime, timedelta, timezone
@@ -1007,6 +1008,9 @@ def run_criteria(
         loaded.phase(phase_id)
     resolved = {c.name: c for cs in loaded.criteria(report.candidate).values() for c in cs}
     results: list[GateResult] = []
+    # Criteria of several phases may ask for one measurement (the same gate, engines and
+    # settings): it runs once, and its result, recorded a moment ago, is judged for each.
+    ran: set[str] = set()
     for phase in report.phases:
         if phases and phase.id not in phases:
             continue
@@ -1014,6 +1018,14 @@ def run_criteria(
             c = resolved[status.name]
             if status.met or not gate_class(c.gate).runnable:
                 continue
+            same = json.dumps(
+                [c.gate, c.backend, c.baseline, c.spec.command, c.spec.settings],
+                sort_keys=True,
+                default=str,
+            )
+            if same in ran:
+                continue
+            ran.add(same)
             scoped = with_settings(inv, c.gate, dict(c.spec.settings))
             if c.spec.command is not None:
                 only = {c.spec.command: inv.spec.gates.commands[c.spec.command]}

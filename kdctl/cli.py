@@ -182,7 +182,7 @@ def phases(
     unmet criterion with its threshold, last value and age, under the three answers. Exit 0
     when traffic may move to the candidate now, 1 when not."""
     from kdctl.readiness import assess_phases
-    from kdctl.tables import answers_text, phases_table, progress_bars
+    from kdctl.tables import answers_text, evidence_table, phases_table, progress_bars
 
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store, progress_bars(err, run and not json_) as progress:
@@ -201,6 +201,8 @@ def phases(
     if json_:
         _print_json(found.phases_document())
     else:
+        if found.ran:
+            out.print(evidence_table(found.ran))
         out.print(answers_text(found.answers))
         out.print(phases_table(found.phases, wide=wide))
     if found.answers.cutover.can_cut_over is not True:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -432,6 +432,8 @@ class Readiness:
     answers: Answers
     phases: PhaseReport | None
     identities: dict[str, Identity]
+    # The results `phases --run` recorded before judging, in the order they ran.
+    ran: list[GateResult] = field(default_factory=list)
 
     def phases_document(self) -> dict[str, Any]:
         """`kdctl phases --json`: the phase report with the three answers beside it."""
@@ -952,7 +954,7 @@ def assess_phases(
             raise InputError(f"{inv.path}: no roadmap selected (set roadmap: or --roadmap)")
         if not run:
             return found
-        run_criteria(
+        ran = run_criteria(
             inv,
             store,
             found.phases,
@@ -962,7 +964,8 @@ def assess_phases(
             progress=progress,
             session=s,
         )
-        return assess(inv, store, roadmap=roadmap, target=target, candidate=candidate, session=s)
+        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate, session=s)
+        return replace(found, ran=ran)
 
 
 def _front_now(probe: ServingProbe) -> FrontNow | None:

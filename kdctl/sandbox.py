@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel
 
 from kdctl.backends import make_backend, wait_http
-from kdctl.backends.reference import serve_argv
+from kdctl.backends.reference import batch_argv, serve_argv
 from kdctl.checks import with_settings
 from kdctl.errors import InfraError, InputError
 from kdctl.evidence import DB_NAME, EvidenceStore, SqliteStore, open_store
@@ -51,6 +51,10 @@ DRAFT = "tiny-deepseek-v3-draft"
 DRAFT_CONFIG = {"num_hidden_layers": 1}
 DRAFT_TOKENS = 4
 SPECULATIVE = {"candidate"}
+# The native engine as it was before it had a server: a program that answers a request file
+# (the command contract), here `kdctl reference batch` on the candidate's weights. Its speed
+# is its own timings of batch runs, compared with the baseline's served run of the prompts.
+BATCH_ENGINE = "candidate-batch"
 FRONT_PORT = 8000
 
 
@@ -129,6 +133,16 @@ def _inventory(root: Path, router: str) -> dict[str, Any]:
         if kind == "native":
             spec["mode"] = "http"
         backends[name] = spec
+    batch_model = root / "models" / ENGINES["candidate"][1]
+    backends[BATCH_ENGINE] = {
+        "kind": "native",
+        "mode": "command",
+        "host": "local",
+        "tp_size": 1,
+        "model": str(batch_model),
+        "command": batch_argv(batch_model),
+        "workdir": str(root / "run"),
+    }
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     router_spec: dict[str, Any] = {
         "kind": router,

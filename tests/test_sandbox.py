@@ -96,7 +96,13 @@ def _up_reused_and_read(root: Path) -> dict[str, int]:
     inv = str(root / "inventory.yaml")
     status = kdctl("status", "-i", inv, "--json")
     backends = {b["name"]: b["state"] for b in json.loads(status.out)["backends"]}
-    assert backends == {"baseline": "up", "candidate": "up", "candidate-int4": "up"}
+    # The engine without a server has run nothing yet: no record describes it.
+    assert backends == {
+        "baseline": "up",
+        "candidate": "up",
+        "candidate-int4": "up",
+        "candidate-batch": "unknown",
+    }
     assert json.loads(status.out)["traffic"]["weights"] == {"baseline": 100}
     serving = json.loads(status.out)["answers"]["serving"]
     assert (serving["state"], serving["backend"]) == ("serving", "baseline")
@@ -145,6 +151,12 @@ def test_the_demo_tells_the_whole_story(
         r"cutover to candidate-int4 refused: exact/exactness:candidate-int4: fail", out
     )
     assert "strict:" in out
+    # Before a server: the engine's own batch timings against the baseline's served run.
+    offline = out[out.index("$ kdctl phases --run --phase offline-speed") :]
+    offline = offline[: offline.index("(exit ")]
+    assert re.search(r"offline-speed\s.*\bdone\b", offline), offline
+    assert re.search(r"candidate-batch\s+│\s+baseline\s+│\s+pass", offline), offline
+    assert "offline batch: the figures are candidate-batch's own timings" in offline, offline
     # The candidate decodes speculatively: measured on text, its accept length beside its speed.
     words = r"\s+".join
     assert re.search(

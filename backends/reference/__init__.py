@@ -46,3 +46,9 @@ def serve_argv(
     if api_key_env:
         argv += ["--api-key-env", api_key_env]
     return argv
+
+
+def batch_argv(model: Path | str) -> list[str]:
+    """The command line of `kdctl reference batch`: the reference model as a command-mode
+    engine (kdctl appends the request and response files)."""
+    return [sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(model)]

@@ -1,7 +1,8 @@
 """The error types every layer raises, each carrying the exit code the CLI ends with.
 
-Exit codes are part of the contract (README's exit codes): 1 a negative verdict, 2 bad input,
-3 an infrastructure failure. Anything a user can cause ends in one of these, never a traceback.
+Exit codes are part of the contract (docs/reference/cli.md, exit codes): 1 a negative verdict,
+2 bad input, 3 an infrastructure failure. Anything a user can cause ends in one of these,
+never a traceback.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The inventory's schema: hosts, backends, the router, gate settings, where state lives.
 
-Field names are the inventory format README.md documents; scripts and reports rely on that
-shape. Every model forbids unknown fields, so a typo is an error with a line number rather
-than a silent default.
+Field names are the inventory format docs/reference/inventory.md documents; scripts and
+reports rely on that shape. Every model forbids unknown fields, so a typo is an error with a
+line number rather than a silent default.
 """
 
 from __future__ import annotations

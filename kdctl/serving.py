@@ -7,7 +7,6 @@ what it does. Nothing here is taken from the inventory's `serving:` or from a fi
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,13 +31,9 @@ from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
 from kdctl.probes.listening import probe_listening
 from kdctl.session import Session, using
-from kdctl.traffic import BACKEND_HEADER, front_url, make_router
+from kdctl.traffic import Router, make_router
 
 ServingState = Literal["serving", "degraded", "nothing", "unknown"]
-
-# The nginx configuration kdctl writes names every upstream address nginx tried, the answering
-# one last (beside BACKEND_HEADER, the name its map gives a single address).
-UPSTREAM_HEADER = "X-Kdctl-Upstream"
 
 # A one-token greedy generation: the cheapest request that proves an engine serves, not only
 # that its HTTP server is up. Token 1 exists in every vocabulary.
@@ -175,30 +170,25 @@ def probe_serving(
             return _without_router(ask_all({n: 0 for n, b in inv.backends.items() if b.url}))
 
         routed = Routed()
+        router = make_router(inv, s.pool)
         try:
-            router = make_router(inv, s.pool)
             state = router.read()
         except KdctlError as exc:
             routed.error = str(exc)
-            router_front = front_url(inv, spec)
         else:
             routed = Routed(
                 weights=state.weights,
-                source=state.source
-                if spec.kind != "nginx"
-                else f"{state.source} (the configuration file: intended weights)",
+                source=router.describe_source(state),
                 draining=state.draining,
                 applied=state.applied,
             )
-            router_front = router.front_url
         weighted = {n: w for n, w in routed.weights.items() if w > 0 and n in inv.backends}
         names = list(weighted) + [n for n, b in inv.backends.items() if b.url and n not in weighted]
         engines = ask_all({n: weighted.get(n, 0) for n in names})
         front = _ask_front(
             inv,
             client,
-            router_front,
-            spec.kind,
+            router,
             weighted,
             engines,
             timeout_s,
@@ -330,8 +320,7 @@ def _health_instead(
 def _ask_front(
     inv: LoadedInventory,
     client: httpx.Client,
-    url: str,
-    kind: str,
+    router: Router,
     weighted: Mapping[str, int],
     engines: list[EngineAnswer],
     timeout_s: float,
@@ -340,6 +329,7 @@ def _ask_front(
     """A one-token generation through the front, spoken in the protocol of the backend the
     router weights most; the health route where generation is refused (no key, no route).
     `unknown_workers`: those the router lists that no backend of the inventory is."""
+    url = router.front_url
     last: dict[str, httpx.Response] = {}
 
     def keep(resp: httpx.Response) -> None:
@@ -374,7 +364,8 @@ def _ask_front(
             return FrontAnswer(url=url, answered=None, detail=f"cannot probe the front: {exc}")
     latency = round((time.monotonic() - started) * 1000, 1)
     resp = last.get("resp")
-    who = _answering_backend(inv, resp, kind, engines, unknown_workers)
+    up = [e.name for e in engines if e.weight > 0 and e.serves]
+    who = router.answered_by(resp, up, unknown_workers) if resp is not None else None
     code = resp.status_code if resp is not None else None
     if error is None:
         return FrontAnswer(
@@ -420,51 +411,6 @@ def _ask_front(
             url=url, route=route, answered=False, backend=who, status_code=code, detail=why
         )
     return FrontAnswer(url=url, route=route, answered=None, detail=f"{error}")
-
-
-def _answering_backend(
-    inv: LoadedInventory,
-    resp: httpx.Response | None,
-    kind: str,
-    engines: list[EngineAnswer],
-    unknown_workers: Sequence[str] = (),
-) -> str | None:
-    if resp is None:
-        return None
-    if kind == "nginx":
-        tried = resp.headers.get(UPSTREAM_HEADER, "")
-        # "a:1, b:2 : c:3": the last address is the one whose answer came back.
-        addr = tried.replace(" : ", ", ").split(",")[-1].strip() if tried else ""
-        if addr:
-            return _backend_at(inv, addr)
-        return resp.headers.get(BACKEND_HEADER) or None
-    # SGLang's router names no backend per answer: the one listed worker that answers
-    # directly, when there is exactly one and the router lists no worker unknown here.
-    up = [e.name for e in engines if e.weight > 0 and e.serves]
-    return up[0] if len(up) == 1 and not unknown_workers else None
-
-
-def _backend_at(inv: LoadedInventory, address: str) -> str | None:
-    """The backend whose URL is this host:port; nginx reports resolved addresses, so a name in
-    the inventory is resolved here too."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    for name, spec in inv.backends.items():
-        if not spec.url:
-            continue
-        u = httpx.URL(spec.url)
-        their_port = u.port or (443 if u.scheme == "https" else 80)
-        if str(their_port) != port:
-            continue
-        if u.host == host:
-            return name
-        try:
-            resolved = {a[4][0] for a in socket.getaddrinfo(u.host, their_port)}
-        except OSError:
-            continue
-        if host in resolved:
-            return name
-    return None
 
 
 def _without_router(engines: list[EngineAnswer]) -> ServingProbe:

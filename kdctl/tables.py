@@ -159,7 +159,7 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
         else:
             traffic.append(f"configured to send {split} (from {t.source})")
         if t.applied is False:
-            traffic.append("; WRITTEN, NOT APPLIED: nginx runs what it last loaded", "yellow")
+            traffic.append(f"; WRITTEN, NOT APPLIED: {t.router} runs what it last loaded", "yellow")
         if t.front is not None:
             f = t.front
             said = f"{f.detail}" + (f", from {f.backend}" if f.backend else "")

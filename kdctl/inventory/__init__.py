@@ -12,6 +12,7 @@ from kdctl.inventory._load import (
     resolve_api_key,
     resolve_inventory_path,
     resolve_service_env,
+    router_kinds,
     unknown_name,
 )
 from kdctl.inventory._yaml import read_mapping
@@ -47,5 +48,6 @@ __all__ = [
     "resolve_api_key",
     "resolve_inventory_path",
     "resolve_service_env",
+    "router_kinds",
     "unknown_name",
 ]

@@ -22,6 +22,8 @@ from kdctl.errors import InputError
 from kdctl.inventory import _yaml
 from kdctl.inventory.models import (
     BUILTIN_BACKEND_KINDS,
+    BUILTIN_ROUTER_KINDS,
+    NGINX_ONLY_FIELDS,
     UNION_TAGS,
     BackendSpec,
     CommandService,
@@ -97,6 +99,12 @@ def backend_kinds() -> list[str]:
     """Built-in kinds and those other distributions register under `kdctl.backends`."""
     plugged = [ep.name for ep in entry_points(group="kdctl.backends")]
     return sorted(set(BUILTIN_BACKEND_KINDS) | set(plugged))
+
+
+def router_kinds() -> list[str]:
+    """Built-in router drivers and those other distributions register under `kdctl.routers`."""
+    plugged = [ep.name for ep in entry_points(group="kdctl.routers")]
+    return sorted(set(BUILTIN_ROUTER_KINDS) | set(plugged))
 
 
 def resolve_inventory_path(option: str | Path | None) -> Path:
@@ -340,6 +348,15 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
                     )
     if spec.router:
         yield from _key_problems(spec.router, ("router",), base)
+        known = router_kinds()
+        if spec.router.kind not in known:
+            yield (
+                ("router", "kind"),
+                (f"unknown router kind {spec.router.kind!r} (known: {', '.join(known)})"),
+            )
+        elif spec.router.kind != "nginx":
+            for name in sorted(set(NGINX_ONLY_FIELDS) & spec.router.model_fields_set):
+                yield ("router", name), f"only an nginx router has {name!r}"
         if spec.router.host not in hosts:
             yield ("router", "host"), unknown_name("host", spec.router.host, hosts)
         if spec.router.serving not in spec.backends:

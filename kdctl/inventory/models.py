@@ -35,6 +35,10 @@ _ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(service|socket|target|timer|mount|scope|slice)")
 
 BUILTIN_BACKEND_KINDS = ("sglang", "openai", "native", "reference")
+# Router drivers kdctl ships (kdctl.traffic.routers); others register under `kdctl.routers`.
+BUILTIN_ROUTER_KINDS = ("nginx", "sglang-router")
+# What only nginx's driver reads: on another router these would be silently ignored.
+NGINX_ONLY_FIELDS = ("include", "nginx", "prefix", "conf", "keepalive")
 
 
 def _name(value: str) -> str:
@@ -284,7 +288,8 @@ class BackendSpec(_Model):
 
 
 class RouterSpec(_Model):
-    kind: Literal["nginx", "sglang-router"]
+    # A driver's name: nginx, sglang-router, or one another distribution registers.
+    kind: str
     host: Name
     listen: Annotated[str, AfterValidator(_listen)]
     serving: Name

@@ -19,7 +19,7 @@ from kdctl.traffic.journal import (
     SqliteJournal,
     open_journal,
 )
-from kdctl.traffic.routers import make_router
+from kdctl.traffic.routers import make_router, router_class
 from kdctl.traffic.sglang_router import router_argv
 
 __all__ = [
@@ -37,4 +37,5 @@ __all__ = [
     "make_router",
     "open_journal",
     "router_argv",
+    "router_class",
 ]

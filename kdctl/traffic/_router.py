@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -86,6 +86,19 @@ class Router(abc.ABC):
         if state.weights != {k: v for k, v in weights.items() if v > 0} or state.draining:
             raise RouterError(f"read back {state.weights}, not {weights}")
         return state
+
+    def describe_source(self, state: RouterState) -> str:
+        """Where the weights read back came from, as status says it."""
+        return state.source
+
+    def answered_by(
+        self, resp: httpx.Response, serving: Sequence[str], unknown_workers: Sequence[str] = ()
+    ) -> str | None:
+        """The backend whose answer `resp` came back through the front, where it can be told;
+        `serving`: the backends given traffic that answer on their own URLs. A router that
+        names no backend per answer: the one such backend, when there is exactly one and the
+        router lists no worker unknown to the inventory."""
+        return serving[0] if len(serving) == 1 and not unknown_workers else None
 
     def probe(self, client: httpx.Client, path: str = "/health") -> str | None:
         """Which backend answered one request through the front (None when none did). The

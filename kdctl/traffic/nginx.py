@@ -7,9 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -18,7 +19,15 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from kdctl._httpclient import http_client
 from kdctl.errors import InputError, KdctlError
-from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
+from kdctl.inventory import LoadedInventory
+from kdctl.traffic._router import (
+    BACKEND_HEADER,
+    Capabilities,
+    Router,
+    RouterError,
+    RouterState,
+    check_weights,
+)
 
 # What may reach the file: every value is checked against these before rendering, so no
 # inventory value can close a directive and open another.
@@ -30,6 +39,9 @@ _DRAINING = re.compile(r"^\s*return 503 ", re.MULTILINE)
 _PID_DIRECTIVE = re.compile(r"^\s*pid\s+([^;\s]+)\s*;", re.MULTILINE)
 # The title nginx gives a worker once it has taken the reload's signal: it accepts nothing new.
 _SHUTTING_DOWN = "worker process is shutting down"
+# The file kdctl writes names every upstream address nginx tried, the answering one last
+# (beside BACKEND_HEADER, the name its map gives a single address).
+UPSTREAM_HEADER = "X-Kdctl-Upstream"
 
 
 def _env() -> Environment:
@@ -92,6 +104,21 @@ class NginxRouter(Router):
                 retry_after=30,
             )
         )
+
+    def describe_source(self, state: RouterState) -> str:
+        return f"{state.source} (the configuration file: intended weights)"
+
+    def answered_by(
+        self, resp: httpx.Response, serving: Sequence[str], unknown_workers: Sequence[str] = ()
+    ) -> str | None:
+        """From the addresses nginx tried, the answering one last; else the name its map
+        gave a single address."""
+        tried = resp.headers.get(UPSTREAM_HEADER, "")
+        # "a:1, b:2 : c:3": the last address is the one whose answer came back.
+        addr = tried.replace(" : ", ", ").split(",")[-1].strip() if tried else ""
+        if addr:
+            return backend_at(self.inv, addr)
+        return resp.headers.get(BACKEND_HEADER) or None
 
     @property
     def _applied_path(self) -> str:
@@ -251,6 +278,29 @@ class NginxRouter(Router):
                         f"not only {sorted(serving)}"
                     )
                 time.sleep(0.05)
+
+
+def backend_at(inv: LoadedInventory, address: str) -> str | None:
+    """The backend whose URL is this host:port; nginx reports resolved addresses, so a name in
+    the inventory is resolved here too."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    for name, spec in inv.backends.items():
+        if not spec.url:
+            continue
+        u = httpx.URL(spec.url)
+        their_port = u.port or (443 if u.scheme == "https" else 80)
+        if str(their_port) != port:
+            continue
+        if u.host == host:
+            return name
+        try:
+            resolved = {a[4][0] for a in socket.getaddrinfo(u.host, their_port)}
+        except OSError:
+            continue
+        if host in resolved:
+            return name
+    return None
 
 
 def _digest(text: str) -> str:

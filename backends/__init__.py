@@ -7,6 +7,7 @@ add kinds through the `kdctl.backends` entry-point group.
 from kdctl.backends._base import Backend, HttpBackend, StreamCall, backend_class, make_backend
 from kdctl.backends._http import DONE, sse_data
 from kdctl.backends._types import (
+    EngineCounters,
     EngineInfo,
     FinishReason,
     GenerateRequest,
@@ -28,6 +29,7 @@ __all__ = [
     "DONE",
     "HEALTH_TIMEOUT_S",
     "Backend",
+    "EngineCounters",
     "EngineInfo",
     "FinishReason",
     "GenerateRequest",

@@ -13,6 +13,7 @@ import httpx
 from pydantic import SecretStr
 
 from kdctl.backends._types import (
+    EngineCounters,
     EngineInfo,
     GenerateRequest,
     GenerateResult,
@@ -42,6 +43,10 @@ class Backend(abc.ABC):
     """One engine, whatever its kind: health, identity, generation, metrics."""
 
     kind: ClassVar[str]
+    # The metric families (as the Prometheus parser names them) of the engine's count of
+    # requests served and of its TTFT histogram, where its kind exports them.
+    requests_counter: ClassVar[str | None] = None
+    ttft_histogram: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -96,6 +101,24 @@ class Backend(abc.ABC):
     def metrics(self) -> dict[str, Any]:
         """Prometheus metric families by name; empty where the engine exports none."""
         return {}
+
+    def counters(self) -> EngineCounters | None:
+        """The engine's request counter and TTFT histogram buckets, summed over labels, from
+        its metrics; None where it exports neither."""
+        if self.requests_counter is None and self.ttft_histogram is None:
+            return None
+        requests: float | None = None
+        buckets: dict[float, float] = {}
+        for family in self.metrics().values():
+            for sample in family.samples:
+                if sample.name == f"{self.requests_counter}_total":
+                    requests = (requests or 0.0) + float(sample.value)
+                elif sample.name == f"{self.ttft_histogram}_bucket" and "le" in sample.labels:
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + float(sample.value)
+        if requests is None and not buckets:
+            return None
+        return EngineCounters(requests=requests, ttft_buckets=buckets)
 
     def spec_counters(self) -> SpecCounters | None:
         """The engine's running totals of speculative decoding, where its metrics export them

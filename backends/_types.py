@@ -120,3 +120,31 @@ class SpecCounters:
         if generated <= 0 or steps <= 0:
             return None
         return round(generated / steps, 3)
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """An engine's request counter and its TTFT histogram's cumulative buckets ({le: count}),
+    summed over labels (`Backend.counters()`). `requests` is None where the engine exports no
+    such counter (SGLang before mid-2025): not counted is not zero."""
+
+    requests: float | None
+    ttft_buckets: dict[float, float]
+
+    def went_back(self) -> bool:
+        """Whether this window, as a difference, has a counter below zero."""
+        return (self.requests is not None and self.requests < 0) or any(
+            n < 0 for n in self.ttft_buckets.values()
+        )
+
+    def minus(self, before: EngineCounters) -> EngineCounters:
+        """What was counted between `before` and this reading."""
+        requests = None
+        if self.requests is not None and before.requests is not None:
+            requests = self.requests - before.requests
+        return EngineCounters(
+            requests=requests,
+            ttft_buckets={
+                le: n - before.ttft_buckets.get(le, 0.0) for le, n in self.ttft_buckets.items()
+            },
+        )

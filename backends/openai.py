@@ -46,6 +46,10 @@ _PER_START = frozenset(
 
 class OpenAIBackend(HttpBackend):
     kind = "openai"
+    # vLLM's names (vllm/v1/metrics/loggers.py); another OpenAI-compatible engine may export
+    # neither, and its counters are then not read.
+    requests_counter = "vllm:request_success"
+    ttft_histogram = "vllm:time_to_first_token_seconds"
     _model: str | None = None
 
     def _card(self) -> dict[str, Any]:

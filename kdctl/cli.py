@@ -262,7 +262,7 @@ def _confirmer(yes: bool) -> Callable[[str], bool]:
             err_print(f"{question} yes (--yes)")
             return True
         if not sys.stdin.isatty():
-            from kdctl.traffic.operations import Refused
+            from kdctl.cutover import Refused
 
             raise Refused(f"{question} No terminal to ask and no --yes: refusing; nothing changed")
         return typer.confirm(question, default=False, err=True)
@@ -299,9 +299,8 @@ def cutover_cmd(
 ) -> None:
     """Move traffic to a backend, gated by the roadmap's prerequisites. Exit 0 when traffic
     moved, 1 when refused or rolled back, 3 when a router or host failed."""
+    from kdctl.cutover import Plan, cutover, parse_steps
     from kdctl.tables import outcome_line, plan_lines
-    from kdctl.traffic.operations import cutover
-    from kdctl.traffic.runner import Plan, parse_steps
 
     weights = parse_steps(steps)
     inv = _load(inventory, state_dir)
@@ -340,7 +339,7 @@ def rollback_cmd(
 ) -> None:
     """Back to the backend that served before the last cutover: no gates, one router write,
     confirmed by reading the router back."""
-    from kdctl.traffic.operations import rollback
+    from kdctl.cutover import rollback
 
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:

@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kdctl.checks import Gate
+from kdctl.cutover import CutoverOutcome, Plan
 from kdctl.evidence import Imported
 from kdctl.evidence._freshness import age_text
 from kdctl.inventory import LoadedInventory
@@ -30,7 +31,6 @@ from kdctl.records import Baseline, GateResult
 from kdctl.roadmap import CriterionStatus, Measured, PhaseReport
 from kdctl.sandbox import HistoryPoint, SandboxStatus
 from kdctl.status import BackendStatus, StatusReport
-from kdctl.traffic.runner import CutoverOutcome, Plan
 
 _STATE_STYLE = {"up": "green", "starting": "yellow", "down": "red", "unknown": "magenta"}
 

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kdctl.serving",),
     ("kdctl.readiness",),
     # Moving traffic consults the answers (the preflight).
-    ("kdctl.traffic.runner", "kdctl.traffic.operations"),
+    ("kdctl.cutover",),
     ("kdctl.status", "kdctl.tables", "kdctl.report", "kdctl.sandbox"),
     ("kdctl.cli", "kdctl.__main__"),
 ]

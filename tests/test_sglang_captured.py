@@ -23,9 +23,9 @@ import pytest
 
 from kdctl.backends import GenerateRequest, GenerateResult, HttpBackend, make_backend
 from kdctl.backends.reference.shapes import SHAPES
+from kdctl.cutover.analysis import engine_counters, engine_ttft
 from kdctl.inventory import BackendSpec, load_inventory
 from kdctl.loadgen import BenchMetrics, RequestRecord
-from kdctl.traffic.runner import engine_counters, engine_ttft
 from tests.conftest import FIXTURES, write_inventory
 from tests.support.faulty import replay, serve
 

@@ -192,8 +192,8 @@ def test_load_on_sglang_is_measured_from_its_stream(sglang: str) -> None:
 def test_the_canary_reads_sglangs_own_counters(sglang: str, tmp_path: Path) -> None:
     """The canary's window over SGLang's request counter and TTFT histogram: the requests it
     sent are counted, and an SLO finer than the histogram's first bucket is left to the probes."""
+    from kdctl.cutover.analysis import engine_counters, engine_ttft
     from kdctl.inventory import load_inventory
-    from kdctl.traffic.runner import engine_counters, engine_ttft
 
     inv = load_inventory(
         write_inventory(

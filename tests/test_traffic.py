@@ -689,8 +689,8 @@ def test_a_ttft_slo_under_the_engines_first_bucket_is_left_to_the_probes(
     took: a 50 ms SLO judged from it would breach on every window, so the canary leaves such an
     SLO to its probes and says so; one the buckets can judge is judged from them."""
     from kdctl.backends import GenerateRequest, make_backend
+    from kdctl.cutover.analysis import EngineCounters, engine_counters, engine_ttft
     from kdctl.inventory import load_inventory
-    from kdctl.traffic.runner import EngineCounters, engine_counters, engine_ttft
 
     inv = load_inventory(
         write_inventory(

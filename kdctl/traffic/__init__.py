@@ -1,7 +1,7 @@
-"""Traffic: the router drivers (nginx, SGLang's router) and what they hold now, and the
-cutover journal. Moving traffic (the planner, the runner, cutover and rollback) lives in
-`kdctl.traffic.runner` and `kdctl.traffic.operations`, a layer above the readiness answers
-they consult; nothing here imports them."""
+"""Traffic: the router drivers (nginx, SGLang's router, and those other distributions
+register) and what they hold now, and the cutover journal. Moving traffic (the plan, the
+analysis, the runner, cutover and rollback) lives in `kdctl.cutover`, a layer above the
+readiness answers it consults; nothing here imports it."""
 
 from kdctl.traffic._router import (
     BACKEND_HEADER,

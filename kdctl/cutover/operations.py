@@ -8,25 +8,23 @@ from collections.abc import Callable
 from datetime import datetime
 
 from kdctl.checks.promotion import promotion_result
+from kdctl.cutover.plan import (
+    DEFAULT_STEPS,
+    Plan,
+    SetWeights,
+    Step,
+    Strategy,
+    plan_cutover,
+    step_from,
+)
+from kdctl.cutover.runner import CutoverOutcome, Runner, preflight, restore
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
 from kdctl.records import GateResult, utcnow
 from kdctl.session import Session, using
-from kdctl.traffic._router import Router, RouterState
+from kdctl.traffic import Router, RouterState, make_router
 from kdctl.traffic.journal import CutoverRecord, Journal, open_journal
-from kdctl.traffic.routers import make_router
-from kdctl.traffic.runner import (
-    DEFAULT_STEPS,
-    CutoverOutcome,
-    Plan,
-    Runner,
-    Step,
-    Strategy,
-    plan_cutover,
-    preflight,
-    restore,
-)
 
 # Asked before anything changes; False stops there. The CLI answers from --yes or a terminal.
 Confirm = Callable[[str], bool]
@@ -214,12 +212,12 @@ def _resumable_weights(plan: Plan, record: CutoverRecord) -> list[dict[str, int]
     done = record.done_steps
     touched = {s.idx for s in record.steps}
 
-    def positive(weights: dict[str, int] | None) -> dict[str, int]:
-        return {k: v for k, v in (weights or {}).items() if v > 0}
+    def positive(weights: dict[str, int]) -> dict[str, int]:
+        return {k: v for k, v in weights.items() if v > 0}
 
     last = {plan.from_backend: 100}
     for i, step in enumerate(plan.steps):
-        if step.kind != "set-weights":
+        if not isinstance(step, SetWeights):
             continue
         if i in done:
             last = positive(step.weights)
@@ -236,7 +234,7 @@ def _journaled_plan(record: CutoverRecord, reason: str) -> Plan:
         to_backend=record.to_backend,
         strategy=record.strategy,
         reason=reason,
-        steps=[Step.model_validate(s) for s in record.plan],
+        steps=[step_from(s) for s in record.plan],
     )
 
 

@@ -1,0 +1,27 @@
+"""Moving traffic: the plan (`plan`: strategy and steps), the canary's analysis (`analysis`),
+the runner that executes a plan under the lock with every step journaled (`runner`), and
+cutover, resume and rollback as the CLI runs them (`operations`). The router drivers and the
+journal it writes through stay in `kdctl.traffic`, a layer below the readiness answers this
+package consults."""
+
+from kdctl.cutover.analysis import AnalysisFailed, WatchResult
+from kdctl.cutover.operations import Refused, cutover, rollback
+from kdctl.cutover.plan import DEFAULT_STEPS, Plan, Step, Strategy, parse_steps, plan_cutover
+from kdctl.cutover.runner import CutoverAborted, CutoverOutcome, preflight
+
+__all__ = [
+    "DEFAULT_STEPS",
+    "AnalysisFailed",
+    "CutoverAborted",
+    "CutoverOutcome",
+    "Plan",
+    "Refused",
+    "Step",
+    "Strategy",
+    "WatchResult",
+    "cutover",
+    "parse_steps",
+    "plan_cutover",
+    "preflight",
+    "rollback",
+]

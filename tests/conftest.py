@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 
 # Every engine the tests start (reference servers, the sandbox's, vLLM) shares two cores with the
 # others and with kdctl: one thread each, or their OpenMP pools spin against one another and a
@@ -389,12 +390,36 @@ _LONGEST_FIRST = (
 )
 
 
+# Fixtures that start a server or make a model. A test that needs none of them (through any
+# fixture it uses) in a module that starts none in its tests' bodies is marked `unit`:
+# `pytest -m unit` is the subset that runs in seconds.
+_SERVER_FIXTURES = frozenset(
+    {"postgres", "pg_url", "fleet", "need_nginx", "models", "llama", "reference_server",
+     "keyed_server", "twin_server"}
+)  # fmt: skip
+_STARTS_SERVERS = re.compile(
+    r"start_nginx\(|Popen\(|serve_reference\(|make_box\(|free_port\(|\"sandbox\"|\"serve\"|"
+    r"WarmCli\(|need_engine\(|need_sglang_router\("
+)
+
+
+def _starts_servers(path: Path, seen: dict[Path, bool]) -> bool:
+    if path not in seen:
+        seen[path] = bool(_STARTS_SERVERS.search(path.read_text()))
+    return seen[path]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         name = item.path.name
         return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each file keeps its own order
+    seen: dict[Path, bool] = {}
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ()))
+        if not needs & _SERVER_FIXTURES and not _starts_servers(item.path, seen):
+            item.add_marker(pytest.mark.unit)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

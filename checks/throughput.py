@@ -719,6 +719,10 @@ def judge(
             reasons.append(f"{line}, not judged: the two runs {other}")
             continue
         (reasons if holds == "holds" else findings).append(line)
+    scaling = _scaling(points, prefix, word)
+    if scaling is not None:
+        metrics.append(scaling[0])
+        reasons.append(scaling[1])
     verdict = decide(metrics, findings)
     if short or across:
         reasons = short + across + reasons
@@ -747,6 +751,26 @@ def judge(
             "text corpus) to judge speed",
         )
     return metrics, findings + reasons, verdict
+
+
+def _scaling(points: list[BenchMetrics], prefix: str, word: str) -> tuple[Metric, str] | None:
+    """The output tokens a second at the workload's highest concurrency over those at its
+    lowest (`scaling`): how much serving requests together pays. A server that takes one
+    request at a time stays near 1 however many wait; a roadmap can require it. None where
+    fewer than two concurrencies were measured."""
+    ran = sorted((p for p in points if p.completed), key=lambda p: p.max_concurrency)
+    if len(ran) < 2 or ran[0].max_concurrency == ran[-1].max_concurrency:
+        return None
+    lo, hi = ran[0], ran[-1]
+    value = round(hi.output_throughput / lo.output_throughput, 3) if lo.output_throughput else None
+    name = "scaling"
+    shown = "not measured" if value is None else f"{value:.2f}x"
+    return (
+        Metric(name=name, value=value, unit="x"),
+        f"{name}: {word} {hi.max_concurrency} delivers {shown} the output tokens a second of "
+        f"{word} {lo.max_concurrency} ({prefix}{hi.max_concurrency} over "
+        f"{prefix}{lo.max_concurrency})",
+    )
 
 
 def _path_words(path: str | None) -> str:

@@ -153,6 +153,9 @@ def test_a_command_mode_engine_against_the_recorded_served_baseline(
             f"batch {size}: {point['output_throughput']:.0f} tok/s against "
             f"{base['output_throughput']:.0f} served, ratio {ratio['value']:.2f}"
         )
+    b1, b3 = (p["output_throughput"] for p in result["details"]["points"])
+    assert metrics["scaling"]["value"] == pytest.approx(b3 / b1, rel=1e-2)
+    assert any(r.startswith("scaling: batch 3 delivers") for r in result["reasons"])
     report("reference batch (CPU) against its served run: " + "; ".join(ratios))
 
     # The offline result meets the criterion that asks for it; the served one is not met by it.

@@ -30,8 +30,7 @@ from kdctl.checks import (
     with_settings,
 )
 from kdctl.errors import InputError
-from kdctl.evidence import EvidenceStore, freshness, shared_url
-from kdctl.evidence._freshness import age_text
+from kdctl.evidence import EvidenceStore, age_text, freshness, shared_url
 from kdctl.inventory import LoadedInventory, SystemdService
 from kdctl.probes import ServiceState
 from kdctl.recording import run_gates

@@ -25,8 +25,7 @@ from kdctl.checks.api_conformance import PROBES, record_api
 from kdctl.checks.exactness import corpus_path, load_corpus, record_golden
 from kdctl.checks.signoff import sign_off
 from kdctl.checks.throughput import record_throughput
-from kdctl.evidence import EvidenceStore
-from kdctl.evidence._freshness import age_text
+from kdctl.evidence import EvidenceStore, age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration
 from kdctl.session import Identity, Session, check_names, using

@@ -22,8 +22,7 @@ from rich.text import Text
 
 from kdctl.checks import Gate
 from kdctl.cutover import CutoverOutcome, Plan
-from kdctl.evidence import Imported
-from kdctl.evidence._freshness import age_text
+from kdctl.evidence import Imported, age_text
 from kdctl.inventory import LoadedInventory
 from kdctl.readiness import Answers
 from kdctl.recording import PlannedRecording

@@ -21,8 +21,7 @@ from kdctl.checks import (
     with_settings,
     workload_changed,
 )
-from kdctl.evidence import EvidenceStore, freshness
-from kdctl.evidence._freshness import age_text
+from kdctl.evidence import EvidenceStore, age_text, freshness
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.records import GateResult, Metric, utcnow

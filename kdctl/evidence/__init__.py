@@ -3,7 +3,7 @@ PostgreSQL store a team shares."""
 
 import os
 
-from kdctl.evidence._freshness import Freshness, freshness
+from kdctl.evidence._freshness import Freshness, age_text, freshness
 from kdctl.evidence._postgres import PostgresStore, connect, error_type, run, shown_url
 from kdctl.evidence._postgres import explain as explain_postgres
 from kdctl.evidence.store import DB_NAME, EvidenceStore, SqliteStore
@@ -72,6 +72,7 @@ __all__ = [
     "Migrated",
     "PostgresStore",
     "SqliteStore",
+    "age_text",
     "check_url",
     "connect",
     "error_type",

@@ -4,8 +4,9 @@ Kinds: `sglang`, `openai`, `native` and `reference`. Other distributions
 add kinds through the `kdctl.backends` entry-point group.
 """
 
-from kdctl.backends._base import Backend, HttpBackend, StreamCall, backend_class, make_backend
+from kdctl.backends._base import Backend, HttpBackend, StreamCall
 from kdctl.backends._http import DONE, sse_data
+from kdctl.backends._registry import backend_class, make_backend
 from kdctl.backends._types import (
     EngineCounters,
     EngineInfo,

@@ -6,7 +6,6 @@ import abc
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
@@ -206,46 +205,3 @@ class HttpBackend(Backend):
 
     def metrics(self) -> dict[str, Any]:
         return self.http.metrics()
-
-
-def _builtin() -> dict[str, type[Backend]]:
-    from kdctl.backends.native import NativeBackend
-    from kdctl.backends.openai import OpenAIBackend
-    from kdctl.backends.sglang import SGLangBackend
-
-    kinds: dict[str, type[Backend]] = {
-        "sglang": SGLangBackend,
-        "openai": OpenAIBackend,
-        "native": NativeBackend,
-    }
-    # Importing the class is cheap; torch is loaded only when its engine starts, and a missing
-    # extra is reported then, by name.
-    from kdctl.backends.reference.backend import ReferenceBackend
-
-    kinds["reference"] = ReferenceBackend
-    return kinds
-
-
-def backend_class(kind: str) -> type[Backend]:
-    """The class for a kind: built in, or registered under the `kdctl.backends` entry points."""
-    kinds = _builtin()
-    if kind in kinds:
-        return kinds[kind]
-    for ep in entry_points(group="kdctl.backends"):
-        if ep.name == kind:
-            cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, Backend)):
-                raise InputError(f"entry point kdctl.backends:{kind} is not a Backend class")
-            return cls
-    raise InputError(f"unknown backend kind {kind!r}")
-
-
-def make_backend(name: str, spec: BackendSpec, **kwargs: Any) -> Backend:
-    """A backend for an inventory entry; `transport` reaches kinds that run on the host."""
-    cls = backend_class(spec.kind)
-    if spec.kind == "native" and spec.mode == "command":
-        from kdctl.backends.native import NativeCommandBackend
-
-        return NativeCommandBackend(name, spec, **kwargs)
-    kwargs.pop("transport", None)
-    return cls(name, spec, **kwargs)

@@ -10,14 +10,16 @@ from kdctl.checks._base import (
     Gate,
     GateContext,
     ProgressHook,
+    provenance_for,
+    provenance_of,
+)
+from kdctl.checks._registry import (
     Workloads,
     freshness_window,
     gate_class,
     gate_settings,
     gates,
     measured_otherwise,
-    provenance_for,
-    provenance_of,
     with_settings,
     workload_changed,
 )

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from kdctl.backends import GenerateRequest
-from kdctl.backends._base import backend_class, make_backend
+from kdctl.backends import GenerateRequest, backend_class, make_backend
 from kdctl.backends.errors import (
     BackendAuthError,
     BackendHTTPError,

@@ -290,7 +290,7 @@ def test_health_gate_and_exit_codes(inventory: Any) -> None:
 def test_freshness_windows_per_gate(tmp_path: Path) -> None:
     from datetime import timedelta
 
-    from kdctl.checks._base import freshness_window
+    from kdctl.checks import freshness_window
     from kdctl.inventory import load_inventory
 
     inv_path = write_inventory(

@@ -109,6 +109,70 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
     assert problems == [], "\n".join(problems)
 
 
+def private_crossings(source: str, module: str) -> list[str]:
+    """Imports, at any depth, of a private module (`_name`) of a package `module` is not in:
+    another package reaches it only through that package's public names."""
+    found = []
+    for line, target in imported(source, module):
+        parts = target.split(".")
+        for i, part in enumerate(parts):
+            if part.startswith("_") and not part.startswith("__"):
+                owner = ".".join(parts[:i])
+                if module != owner and not module.startswith(owner + "."):
+                    found.append(f"{module}:{line} imports {target}, private to {owner}")
+                break
+    return found
+
+
+def test_no_module_imports_another_packages_private_module() -> None:
+    problems = [p for name, path in modules() for p in private_crossings(path.read_text(), name)]
+    assert problems == [], "\n".join(problems)
+    planted = "def f():\n    from kdctl.evidence._freshness import age_text\n"
+    assert private_crossings(planted, "kdctl.readiness") == [
+        "kdctl.readiness:2 imports kdctl.evidence._freshness, private to kdctl.evidence"
+    ]
+    # Inside its own package, a private module is the package's own business.
+    assert private_crossings(planted, "kdctl.evidence.store") == []
+
+
+def circles(sources: dict[str, str]) -> list[list[str]]:
+    """The import circles among these modules (name: source), imports inside functions
+    included: an import of a package's name counts as one of the package itself."""
+    graph: dict[str, set[str]] = {}
+    for name, source in sources.items():
+        deps = set()
+        for _, target in imported(source, name):
+            while target and target not in sources:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                deps.add(target)
+        graph[name] = deps
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append(path[path.index(node) :])
+            return
+        if node in done:
+            return
+        for dep in sorted(graph[node]):
+            visit(dep, [*path, node])
+        done.add(node)
+
+    for name in sorted(graph):
+        visit(name, [])
+    return found
+
+
+def test_no_import_circle_function_local_imports_included() -> None:
+    assert circles({name: path.read_text() for name, path in modules()}) == []
+    planted = {
+        "kdctl.backends._base": "def f():\n    from kdctl.backends.sglang import X\n",
+        "kdctl.backends.sglang": "from kdctl.backends._base import Backend\n",
+    }
+    assert circles(planted) == [["kdctl.backends._base", "kdctl.backends.sglang"]]
+
+
 def test_a_planted_upward_import_is_caught() -> None:
     planted = "def f():\n    from kdctl.readiness import assess\n    return assess\n"
     readiness, evidence = layer_of("kdctl.readiness"), layer_of("kdctl.evidence.store")

@@ -73,7 +73,7 @@ def _setup(
     """An inventory whose throughput criterion requires `require` of the ratio, and a history
     of throughput results (days ago, ratio, engine version; the checkpoint's fingerprint from
     `weights`, where given) imported through `kdctl evidence import`."""
-    from kdctl.checks._base import gate_settings
+    from kdctl.checks import gate_settings
     from kdctl.checks.throughput import build_requests
     from kdctl.evidence import SqliteStore, export_evidence
     from kdctl.inventory import load_inventory

@@ -19,7 +19,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 
 from kdctl import _redact as redact
 from kdctl.errors import InputError
-from kdctl.inventory import _yaml
+from kdctl.inventory._yaml import Document, read_mapping
 from kdctl.inventory.models import (
     BUILTIN_BACKEND_KINDS,
     BUILTIN_ROUTER_KINDS,
@@ -117,7 +117,7 @@ def resolve_inventory_path(option: str | Path | None) -> Path:
 
 def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> LoadedInventory:
     """Load and check an inventory; raise InputError listing every problem found."""
-    doc = _yaml.read_mapping(path, "inventory", "at least 'hosts'")
+    doc = read_mapping(path, "inventory", "at least 'hosts'")
 
     try:
         spec = Inventory.model_validate(doc.data)
@@ -461,7 +461,7 @@ def _model_in(tp: Any) -> Any:
     return None
 
 
-def format_problems(doc: _yaml.Document, problems: list[tuple[Loc, str]]) -> str:
+def format_problems(doc: Document, problems: list[tuple[Loc, str]]) -> str:
     lines = []
     for loc, msg in problems:
         line = doc.line_of(loc)

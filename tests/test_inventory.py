@@ -184,6 +184,16 @@ BAD = [
         "expands to more than 200,000 values (nested aliases?)",
     ),
     ("nesting too deep", "hosts: " + "[" * 100 + "]" * 100 + "\n", 1, "nested more than 64"),
+    # Past the composer's recursion (a thousand levels, and libyaml's own limit): refused
+    # before anything is composed, never a RecursionError.
+    ("nesting past the parser", "hosts: " + "[" * 1_000 + "\n", 1, "nesting depth"),
+    ("nesting far past it", "hosts: " + "[" * 50_000 + "\n", 1, "nesting depth"),
+    (
+        "block nesting too deep",
+        "hosts:\n" + "".join(" " * i + f"k{i}:\n" for i in range(1, 200)) + " " * 200 + "x\n",
+        65,
+        "nested more than 64",
+    ),
     ("no hosts", "backends: {}\n", 1, "hosts: required field is missing"),
     (
         "bad listen",

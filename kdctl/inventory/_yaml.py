@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from kdctl._limits import MAX_CONFIG_BYTES, check_size, check_yaml_nodes
+from kdctl._limits import MAX_CONFIG_BYTES, MAX_DEPTH, check_size, check_yaml_nodes
 from kdctl.errors import InputError
 
 Loc = tuple[str | int, ...]
@@ -67,10 +67,30 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# libyaml's parser where PyYAML was built with it: the depth scan below reads every event.
+_EVENTS_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _check_depth(text: str, source: str) -> None:
+    """Nesting counted on the parser's events, before any node is composed: PyYAML's composer
+    recurses once a level, so a document nested past the interpreter's stack (a thousand
+    `[`) would end in RecursionError there, before the node checks see it."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_EVENTS_LOADER):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                line = event.start_mark.line + 1 if event.start_mark else 1
+                raise InputError(f"{source}:{line}: nested more than {MAX_DEPTH} levels deep")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def parse(text: str, source: str) -> Document:
     """Parse one YAML document; syntax errors become InputError naming file, line and column."""
     check_size(len(text.encode()), MAX_CONFIG_BYTES, source)
     try:
+        _check_depth(text, source)
         loader = _StrictLoader(text)
         loader.name = source
         try:

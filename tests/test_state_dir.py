@@ -63,6 +63,8 @@ def test_a_damaged_or_truncated_database_is_named_and_left_as_it_is(
     for name, damaged in (
         ("header", b"not a database at all" + good[21:]),
         ("truncated", good[: len(good) // 2]),
+        # Cut to nothing: not a new store, whatever SQLite would make of it.
+        ("emptied", b""),
     ):
         db.write_bytes(damaged)
         for args in (("evidence", "list"), ("status",), ("phases",)):

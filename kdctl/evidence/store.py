@@ -248,6 +248,21 @@ class SqliteStore(EvidenceStore):
         except OSError as exc:
             raise InputError(f"{path.parent}: cannot create the state directory: {exc}") from None
         try:
+            emptied = path.stat().st_size == 0
+        except FileNotFoundError:
+            emptied = False
+        except OSError as exc:
+            raise explain(path, exc) from None
+        if emptied:
+            # kdctl makes its stores itself and writes their header at once: an existing file
+            # of no bytes was cut (a disk fault, a stray `: >`), and opening it would start an
+            # empty store over every result, baseline and sign-off without a word.
+            raise InputError(
+                f"{path}: the evidence database is empty (0 bytes), so it is damaged, not new; "
+                "nothing in it was changed. Move it aside and restore a backup, or import an "
+                "export (kdctl evidence import), then run again"
+            )
+        try:
             self._db = sqlite3.connect(path, timeout=30, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")

@@ -33,8 +33,16 @@ _BOUND = (
     "baseline_host_id",
     "engine_settings",
     "baseline_engine_settings",
+    # The build: the native engine is rebuilt daily on the same weights, so a result that
+    # does not say which build it measured cannot be said to describe today's.
+    "engine_version",
+    "baseline_engine_version",
 )
-_OWED = {"host_id": "an identity", "engine_settings": "the engine's settings"}
+_OWED = {
+    "host_id": "an identity",
+    "engine_settings": "the engine's settings",
+    "engine_version": "the engine's build",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,11 @@ def _names(result: GateResult, field: str) -> bool:
         return result.provenance.engine_version is not None
     if field == "baseline_engine_settings":
         return result.provenance.baseline_engine_version is not None
+    if field == "engine_version":
+        # Owed by a result that names the model its engine loaded; a host's gate ran none.
+        return result.provenance.model_path is not None
+    if field == "baseline_engine_version":
+        return result.provenance.baseline_weights is not None
     return result.baseline is not None
 
 

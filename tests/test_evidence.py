@@ -322,6 +322,33 @@ def test_times_that_cannot_be_ordered_here_are_refused(
     assert target.results() == []
 
 
+def test_an_import_from_a_clock_ahead_never_outranks_a_later_result_here(tmp_path: Path) -> None:
+    """A box whose clock runs 150 s fast exports a pass (accepted: within the skew allowed);
+    its times are moved back to the import moment, saying so, so a fail measured here after
+    the import is the newer result, as it was; the same file imported again adds nothing."""
+    ahead = datetime.now(timezone.utc) + timedelta(seconds=150)
+    box = SqliteStore(tmp_path / "box.sqlite")
+    passed = result(verdict="pass").model_copy(
+        update={"started_at": ahead - timedelta(seconds=20), "ended_at": ahead}
+    )
+    box.record(passed)
+    path = tmp_path / "e.json"
+    path.write_text(export_evidence(box).model_dump_json())
+    here = SqliteStore(tmp_path / "here.sqlite")
+    before = utcnow()
+    assert import_evidence(here, path).added == 1
+    (imported,) = here.results()
+    assert before <= imported.ended_at <= utcnow()
+    assert imported.ended_at - imported.started_at == timedelta(seconds=20)
+    assert imported.reasons[-1].startswith("imported with its times moved back 1")
+    failed = result(verdict="fail", age_s=0).model_copy(update={"id": "local-fail"})
+    here.record(failed)
+    newest = here.latest(passed.gate, passed.backend)
+    assert newest is not None and newest.verdict == "fail"
+    again = import_evidence(here, path)
+    assert (again.added, again.already_present) == (0, 1)
+
+
 def test_conflicting_id_refuses_the_whole_file(
     tmp_path: Path, new_store: Callable[[str], EvidenceStore]
 ) -> None:

@@ -152,9 +152,57 @@ def _check_times(path: Path, doc: EvidenceFile) -> None:
             )
 
 
+_MOVED_BACK = "imported with its times moved back"
+
+
+def _clamped(store: EvidenceStore, doc: EvidenceFile) -> tuple[list[GateResult], list[Baseline]]:
+    """The file's records with every time ahead of this machine's clock (a box whose clock
+    runs fast, within MAX_CLOCK_SKEW) moved back to the import moment, duration kept and the
+    move said in the result's reasons: a result measured here after the import then always
+    sorts newer than it, whatever the two clocks said. A record an earlier import of the file
+    already moved is taken as stored, so the same file imported twice adds nothing."""
+    now = utcnow()
+    results = []
+    for r in doc.results:
+        ahead = r.ended_at - now
+        if ahead > timedelta(0):
+            stored = store.get(r.id)
+            if (
+                stored is not None
+                and stored.reasons[-1:]
+                and stored.reasons[-1].startswith(_MOVED_BACK)
+            ):
+                as_moved = r.model_copy(
+                    update={k: getattr(stored, k) for k in ("started_at", "ended_at", "reasons")}
+                )
+                if as_moved == stored:
+                    results.append(stored)
+                    continue
+            r = r.model_copy(
+                update={
+                    "started_at": r.started_at - ahead,
+                    "ended_at": now,
+                    "reasons": [
+                        *r.reasons,
+                        f"{_MOVED_BACK} {ahead.total_seconds():.0f}s to the moment of import: "
+                        "the exporting box's clock ran ahead of this one's",
+                    ],
+                }
+            )
+        results.append(r)
+    ahead_of_now = [b for b in doc.baselines if b.created_at > now]
+    kept = {b.id: b for b in store.baselines()} if ahead_of_now else {}
+    baselines = [
+        kept.get(b.id, b.model_copy(update={"created_at": now})) if b.created_at > now else b
+        for b in doc.baselines
+    ]
+    return results, baselines
+
+
 def import_evidence(store: EvidenceStore, path: Path, *, require_signed: bool = False) -> Imported:
     doc = read_evidence_file(path, require_signed=require_signed)
-    added, skipped = store.merge(doc.results, doc.baselines, source=str(path))
+    results, baselines = _clamped(store, doc)
+    added, skipped = store.merge(results, baselines, source=str(path))
     return Imported(added=added, already_present=skipped, signed=doc.hmac_sha256 is not None)
 
 

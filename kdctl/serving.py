@@ -27,11 +27,12 @@ from kdctl.backends.errors import (
 )
 from kdctl.backends.health import BackendState
 from kdctl.errors import KdctlError
+from kdctl.evidence import shared_url
 from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
 from kdctl.probes.listening import probe_listening
 from kdctl.session import Session, using
-from kdctl.traffic import Router, make_router
+from kdctl.traffic import Router, make_router, open_journal
 
 ServingState = Literal["serving", "degraded", "nothing", "unknown"]
 
@@ -176,6 +177,8 @@ def probe_serving(
         except KdctlError as exc:
             routed.error = str(exc)
         else:
+            if state.applied is None:
+                state = state.model_copy(update={"applied": _journal_applied(inv, state.weights)})
             routed = Routed(
                 weights=state.weights,
                 source=router.describe_source(state),
@@ -196,6 +199,22 @@ def probe_serving(
         )
         front = _front_reach(s, front, spec.host, timeout_s)
     return _judge(inv, spec.kind, spec.listen, spec.host, routed, front, engines)
+
+
+def _journal_applied(inv: LoadedInventory, weights: Mapping[str, int]) -> bool | None:
+    """Where the router keeps no record of what it runs: False when kdctl's own journal holds
+    the newest change to these weights as written and never applied (kdctl stopped between
+    the two), else None (not known)."""
+    if not shared_url(inv) and not (inv.state_dir / "traffic.sqlite").exists():
+        return None  # no journal: nothing was ever written through kdctl here
+    try:
+        with open_journal(inv) as journal:
+            newest = journal.latest()
+    except KdctlError:
+        return None
+    if newest is None:
+        return None
+    return False if newest.written_not_done() == dict(weights) else None
 
 
 def _out_of_reach(

@@ -98,6 +98,42 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
     assert load.sent > 0 and not load.failures, load.failures[:5]
 
 
+def test_a_first_change_written_and_never_applied_is_said_from_the_journal(
+    front: dict[str, Any],
+) -> None:
+    """The first cutover of a state directory, on an nginx whose file kdctl has never
+    reloaded (no record of what nginx loaded): kdctl SIGKILLed between writing the file and
+    reloading nginx. nginx cannot tell; kdctl's journal, holding the change written and never
+    done, does: status says written, not applied, while the front still answers from the
+    baseline."""
+    import httpx
+
+    from kdctl.traffic import BACKEND_HEADER
+
+    inv = str(front["inv"])
+    db = front["inv"].parent / "state" / "traffic.sqlite"
+    args = ["cutover", "--to", "candidate", "--strategy", "blue-green", "--force", "--yes"]
+    # The forced preflight, then set-weights started and written: killed at the third row.
+    # The reload follows the written row within milliseconds; a kill that lands after it is
+    # rolled back and tried again.
+    for _ in range(5):
+        _kill_when([*args, "-i", inv], db, "SELECT count(*) FROM steps", 3)
+        answered = httpx.get(front["url"] + "/health").headers.get(BACKEND_HEADER)
+        if answered == "baseline" and weights(front["include"]) == {"candidate": 100}:
+            break
+        assert kdctl("rollback", "--yes", "-i", inv).code == 0
+    else:
+        pytest.fail("every kill landed after nginx's reload")
+    assert not (front["include"].parent / "kdctl.conf.applied").exists()
+    serving = json.loads(kdctl("status", "-i", inv, "--json", "--timeout", "5").out)
+    said = serving["answers"]["serving"]
+    assert said["routed"]["applied"] is False, said
+    assert "written, not applied" in said["detail"], said["detail"]
+    assert (said["state"], said["backend"]) == ("serving", "baseline"), said["detail"]
+    assert kdctl("rollback", "--yes", "-i", inv).code == 0
+    assert weights(front["include"]) == {"baseline": 100}
+
+
 def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
     """A cutover killed before its first write, then one that succeeded: the first is
     abandoned, not "in progress", and --resume has nothing to replay. A canary killed at 50/50,

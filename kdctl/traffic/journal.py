@@ -80,6 +80,22 @@ class CutoverRecord(BaseModel):
     def done_steps(self) -> set[int]:
         return {s.idx for s in self.steps if s.phase == "done"}
 
+    def written_not_done(self) -> dict[str, int] | None:
+        """The weights of its last router change where that change was written and never
+        done nor failed (kdctl stopped between writing a router's file and applying it);
+        None where its last change finished, or it made none."""
+        changes = [s for s in self.steps if s.kind in ("set-weights", "rollback-set-weights")]
+        if not changes:
+            return None
+        last = max(s.idx for s in changes)
+        phases = {s.phase for s in changes if s.idx == last}
+        if "written" not in phases or phases & {"done", "failed"}:
+            return None
+        weights = next(s.detail.get("weights") for s in changes if s.idx == last)
+        if not isinstance(weights, dict):
+            return None
+        return {k: int(v) for k, v in weights.items() if int(v) > 0}
+
 
 def holder() -> str:
     return f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"

@@ -106,6 +106,12 @@ class NginxRouter(Router):
         )
 
     def describe_source(self, state: RouterState) -> str:
+        if state.applied is None:
+            # kdctl has not reloaded nginx with a file it wrote: nothing records what it loaded.
+            return (
+                f"{state.source} (the configuration file: intended weights; whether nginx "
+                "loaded it is not known)"
+            )
         return f"{state.source} (the configuration file: intended weights)"
 
     def answered_by(

@@ -10,8 +10,11 @@ transaction, so a reader never sees half a result and a killed writer leaves not
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
+import os
 import sqlite3
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -235,6 +238,24 @@ class EvidenceStore(abc.ABC):
             )
 
 
+def _create(path: Path) -> None:
+    """A new store's file, made with its header under another name and linked into place: a
+    second kdctl opening the path meanwhile never meets a file of no bytes, which is refused
+    as one that was cut. Where another made it first, theirs is kept."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.new")
+    try:
+        db = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")  # writes the header
+        finally:
+            db.close()
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
+            leftover.unlink(missing_ok=True)
+
+
 class SqliteStore(EvidenceStore):
     """One file in the state directory, in WAL mode: readers never wait for the writer."""
 
@@ -248,10 +269,10 @@ class SqliteStore(EvidenceStore):
         except OSError as exc:
             raise InputError(f"{path.parent}: cannot create the state directory: {exc}") from None
         try:
+            if not path.exists():
+                _create(path)
             emptied = path.stat().st_size == 0
-        except FileNotFoundError:
-            emptied = False
-        except OSError as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise explain(path, exc) from None
         if emptied:
             # kdctl makes its stores itself and writes their header at once: an existing file

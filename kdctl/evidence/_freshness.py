@@ -80,10 +80,11 @@ def _names(result: GateResult, field: str) -> bool:
     if field == "baseline_engine_settings":
         return result.provenance.baseline_engine_version is not None
     if field == "engine_version":
-        # Owed by a result that names the model its engine loaded; a host's gate ran none.
-        return result.provenance.model_path is not None
+        # Owed by a result that asked the engine what it runs (its settings are recorded); a
+        # host's gate, or a cutover's promotion, asked no engine.
+        return result.provenance.engine_settings is not None
     if field == "baseline_engine_version":
-        return result.provenance.baseline_weights is not None
+        return result.provenance.baseline_engine_settings is not None
     return result.baseline is not None
 
 

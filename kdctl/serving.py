@@ -177,7 +177,9 @@ def probe_serving(
         except KdctlError as exc:
             routed.error = str(exc)
         else:
-            if state.applied is None:
+            if state.applied is None and router.writes_then_applies:
+                # Only such a router can hold a change written and not applied; others are
+                # read live, and their status opens no journal.
                 state = state.model_copy(update={"applied": _journal_applied(inv, state.weights)})
             routed = Routed(
                 weights=state.weights,

@@ -52,6 +52,10 @@ class RouterError(InfraError):
 class Router(abc.ABC):
     kind: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    # Whether a change is written, then applied as a second step (a file, then a reload), so
+    # what it reads back may be written and not yet applied; a router read live runs what it
+    # says.
+    writes_then_applies: ClassVar[bool] = False
 
     def __init__(self, inv: LoadedInventory, spec: RouterSpec, transport: Transport) -> None:
         self.inv = inv

@@ -57,6 +57,7 @@ def _env() -> Environment:
 
 class NginxRouter(Router):
     kind = "nginx"
+    writes_then_applies = True
     capabilities: ClassVar[Capabilities] = Capabilities(
         weights=True, blue_green=True, read_back=True, drain=True
     )

@@ -15,6 +15,7 @@ engines taking turns run by run. With `repeats`, each engine's median run is jud
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -132,53 +133,73 @@ def measure(
     """For each engine in `sides`, in order, its runs at every concurrency of the workload:
     `repeats` load runs each, the engines taking turns run by run so that a noisy machine
     weighs on all of them alike."""
-    served: list[HttpBackend] = []
-    for be in sides:
-        if not isinstance(be, HttpBackend):
-            offline = (
-                f" (gates.throughput.mode: {OFFLINE} compares its own timings of a batch "
-                "instead, which stands for the served comparison nowhere)"
-                if isinstance(be, NativeCommandBackend)
-                else ""
-            )
-            raise InputError(
-                f"backend {be.name}: the throughput gate needs a served engine with a streaming "
-                f"HTTP API; kind {be.kind} in this mode has none{offline}"
-            )
-        served.append(be)
-    w = settings.workload
-    slo = SLO(
-        ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms, e2el_ms=settings.slo_e2el_ms
-    )
+    served = [_served_engine(be) for be in sides]
     out: list[list[Runs]] = [[] for _ in served]
-    for conc in w.concurrency:
-        plan = LoadPlan(
-            max_concurrency=conc,
-            request_rate=w.request_rate,
-            burstiness=w.burstiness,
-            warmup_requests=conc if w.warmup_requests is None else w.warmup_requests,
-            seed=w.seed,
-            client=settings.client,
-            timeout_s=settings.request_timeout_s,
-            slo=slo,
-            output_len=w.output_len if w.ignore_eos else None,
-        )
+    for conc in settings.workload.concurrency:
         runs: list[list[BenchMetrics]] = [[] for _ in served]
         for repeat in range(settings.repeats):
             for be, done in zip(served, runs, strict=True):
-                what = f"throughput {be.name} at concurrency {conc}"
-                if settings.repeats > 1:
-                    what += f", run {repeat + 1} of {settings.repeats}"
-                ctx.report(what, 0, len(requests))
-                before = _spec_counters(be)
-                run = run_load(be, requests, plan, on_progress=_reporter(ctx, what))
-                if before is not None:  # only an engine that counts its drafts is asked again
-                    warmup = plan.warmup_requests * max(r.max_new_tokens for r in requests)
-                    run = _with_engine_acceptance(run, before, _spec_counters(be), warmup)
-                done.append(run)
+                done.append(_served_run(ctx, be, settings, requests, conc, repeat))
         for side, done in zip(out, runs, strict=True):
             side.append(Runs(done))
     return out
+
+
+def _served_engine(be: Backend) -> HttpBackend:
+    if not isinstance(be, HttpBackend):
+        offline = (
+            f" (gates.throughput.mode: {OFFLINE} compares its own timings of a batch "
+            "instead, which stands for the served comparison nowhere)"
+            if isinstance(be, NativeCommandBackend)
+            else ""
+        )
+        raise InputError(
+            f"backend {be.name}: the throughput gate needs a served engine with a streaming "
+            f"HTTP API; kind {be.kind} in this mode has none{offline}"
+        )
+    return be
+
+
+def _slo(settings: ThroughputSettings) -> SLO:
+    return SLO(
+        ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms, e2el_ms=settings.slo_e2el_ms
+    )
+
+
+def _run_label(what: str, repeat: int, settings: ThroughputSettings) -> str:
+    return what + (f", run {repeat + 1} of {settings.repeats}" if settings.repeats > 1 else "")
+
+
+def _served_run(
+    ctx: GateContext,
+    be: HttpBackend,
+    settings: ThroughputSettings,
+    requests: list[GenerateRequest],
+    conc: int,
+    repeat: int,
+) -> BenchMetrics:
+    """One load run at concurrency `conc`, with the engine's own accept length where it
+    counts its drafts itself."""
+    w = settings.workload
+    plan = LoadPlan(
+        max_concurrency=conc,
+        request_rate=w.request_rate,
+        burstiness=w.burstiness,
+        warmup_requests=conc if w.warmup_requests is None else w.warmup_requests,
+        seed=w.seed,
+        client=settings.client,
+        timeout_s=settings.request_timeout_s,
+        slo=_slo(settings),
+        output_len=w.output_len if w.ignore_eos else None,
+    )
+    what = _run_label(f"throughput {be.name} at concurrency {conc}", repeat, settings)
+    ctx.report(what, 0, len(requests))
+    before = _spec_counters(be)
+    run = run_load(be, requests, plan, on_progress=_reporter(ctx, what))
+    if before is not None:  # only an engine that counts its drafts is asked again
+        warmup = plan.warmup_requests * max(r.max_new_tokens for r in requests)
+        run = _with_engine_acceptance(run, before, _spec_counters(be), warmup)
+    return run
 
 
 # The mode under which a command-mode engine is measured by its own timings.
@@ -197,42 +218,62 @@ def measure_offline(
     be: NativeCommandBackend,
     settings: ThroughputSettings,
     requests: list[GenerateRequest],
-) -> tuple[list[Runs], EngineInfo | None, str | None]:
+    beside: Backend | None = None,
+) -> tuple[list[Runs], list[Runs], EngineInfo | None, str | None]:
     """The engine's runs of `requests` at every batch size, `repeats` each, one run of its
-    binary per batch; the engine it said it was; and why its speed could not be measured
-    (its answers carry no timings), or None. Warm-up requests go first in every run, as the
-    load generator sends them first, and are left out of the figures."""
-    w = settings.workload
-    slo = SLO(
-        ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms, e2el_ms=settings.slo_e2el_ms
-    )
+    binary per batch; with `beside`, that engine's served run at the same concurrency after
+    each of them, taking turns as the served comparison does, so that a noisy machine weighs
+    on both alike; the engine it said it was; and why its speed could not be measured (its
+    answers carry no timings), or None. Warm-up requests go first in every run, as the load
+    generator sends them first, and are left out of the figures."""
+    served = _served_engine(beside) if beside is not None else None
     out: list[Runs] = []
+    base: list[Runs] = []
     info: EngineInfo | None = None
     for size in batch_sizes(settings):
-        warm = size if w.warmup_requests is None else w.warmup_requests
         done: list[BenchMetrics] = []
+        theirs: list[BenchMetrics] = []
         for repeat in range(settings.repeats):
-            what = f"throughput {be.name} offline at batch {size}"
-            if settings.repeats > 1:
-                what += f", run {repeat + 1} of {settings.repeats}"
-            ctx.report(what, 0, len(requests))
-            response = be.run_batch([requests[0]] * warm + requests, batch_size=size)
-            ctx.report(what, len(requests), len(requests))
-            info = info or response.engine
-            timed = response.results[warm:]
-            answered = [r for r in timed if r.error is None]
-            untimed = [r for r in answered if r.timings is None]
-            if untimed:
-                why = (
-                    f"{len(untimed)} of its {len(answered)} answers at batch {size} carry no "
-                    "timings (an engine older than the contract's timings): its speed cannot be "
-                    "measured before it serves"
-                )
-                return out, info, why
-            output_len = w.output_len if w.ignore_eos else None
-            done.append(_offline_point(timed, size, output_len, slo))
+            point, said, untimed = _offline_run(ctx, be, settings, requests, size, repeat)
+            info = info or said
+            if untimed is not None:
+                return out, base, info, untimed
+            assert point is not None
+            done.append(point)
+            if served is not None and size in settings.workload.concurrency:
+                theirs.append(_served_run(ctx, served, settings, requests, size, repeat))
         out.append(Runs(done))
-    return out, info, None
+        if theirs:
+            base.append(Runs(theirs))
+    return out, base, info, None
+
+
+def _offline_run(
+    ctx: GateContext,
+    be: NativeCommandBackend,
+    settings: ThroughputSettings,
+    requests: list[GenerateRequest],
+    size: int,
+    repeat: int,
+) -> tuple[BenchMetrics | None, EngineInfo | None, str | None]:
+    w = settings.workload
+    warm = size if w.warmup_requests is None else w.warmup_requests
+    what = _run_label(f"throughput {be.name} offline at batch {size}", repeat, settings)
+    ctx.report(what, 0, len(requests))
+    response = be.run_batch([requests[0]] * warm + requests, batch_size=size)
+    ctx.report(what, len(requests), len(requests))
+    timed = response.results[warm:]
+    answered = [r for r in timed if r.error is None]
+    untimed = [r for r in answered if r.timings is None]
+    if untimed:
+        why = (
+            f"{len(untimed)} of its {len(answered)} answers at batch {size} carry no "
+            "timings (an engine older than the contract's timings): its speed cannot be "
+            "measured before it serves"
+        )
+        return None, response.engine, why
+    output_len = w.output_len if w.ignore_eos else None
+    return _offline_point(timed, size, output_len, _slo(settings)), response.engine, None
 
 
 def _offline_point(
@@ -437,9 +478,17 @@ class ThroughputGate(Gate):
                     )
             with ctx.backend(backend) as be:
                 if offline:
-                    runs, info, untimed = measure_offline(
-                        ctx, _command_engine(be), settings, requests
-                    )
+                    # No recorded run to compare with: the baseline's served runs are taken
+                    # now, each beside the batch run of its size.
+                    with contextlib.ExitStack() as stack:
+                        base_be = (
+                            stack.enter_context(ctx.backend(baseline))
+                            if baseline is not None and base_points is None
+                            else None
+                        )
+                        runs, base_runs, info, untimed = measure_offline(
+                            ctx, _command_engine(be), settings, requests, beside=base_be
+                        )
                     if untimed is not None:
                         return self.result(
                             ctx,
@@ -453,17 +502,10 @@ class ThroughputGate(Gate):
                             details={"mode": OFFLINE},
                         )
                     if baseline is not None and base_points is None:
-                        with ctx.backend(baseline) as base_be:
-                            (base_runs,) = measure(ctx, [base_be], settings, requests)
                         base_points = [r.median for r in base_runs]
                         source = (
-                            f"{baseline}'s served load measured now, as no recorded run of this "
-                            "workload matches what it serves now"
-                            + (
-                                f" ({ctx.passed_over[baseline]})"
-                                if baseline in ctx.passed_over
-                                else ""
-                            )
+                            f"{baseline}'s served load measured now, taking turns with "
+                            f"{backend}'s batch runs, {_why_now(settings, ctx, baseline)}"
                         )
                 elif baseline is None or base_points is not None:
                     info = be.info()
@@ -473,14 +515,9 @@ class ThroughputGate(Gate):
                     with ctx.backend(baseline) as base_be:
                         base_runs, runs = measure(ctx, [base_be, be], settings, requests)
                     base_points = [r.median for r in base_runs]
-                    why = (
-                        "as gates.throughput.baseline_run asks"
-                        if settings.baseline_run == "interleaved"
-                        else "as no recorded run of this workload matches what it serves now"
-                        + (f" ({ctx.passed_over[baseline]})" if baseline in ctx.passed_over else "")
-                    )
                     source = (
-                        f"{baseline} measured now, taking turns with {backend} run by run, {why}"
+                        f"{baseline} measured now, taking turns with {backend} run by run, "
+                        f"{_why_now(settings, ctx, baseline)}"
                     )
         except KdctlError as exc:
             return self.errored(
@@ -545,6 +582,13 @@ class ThroughputGate(Gate):
                 "repeats": settings.repeats,
             },
         )
+
+
+def _why_now(settings: ThroughputSettings, ctx: GateContext, baseline: str) -> str:
+    if settings.baseline_run == "interleaved":
+        return "as gates.throughput.baseline_run asks"
+    passed = f" ({ctx.passed_over[baseline]})" if baseline in ctx.passed_over else ""
+    return f"as no recorded run of this workload matches what it serves now{passed}"
 
 
 def _command_engine(be: Backend) -> NativeCommandBackend:

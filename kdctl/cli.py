@@ -78,6 +78,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document i
 WideOpt = Annotated[
     bool, typer.Option("--wide", help="Every column, for a terminal wider than 80 columns.")
 ]
+TimeoutOpt = Annotated[
+    float, typer.Option("--timeout", min=0.1, help="Deadline per host and backend, seconds.")
+]
 
 
 def _load(
@@ -119,9 +122,7 @@ def status(
     inventory: InventoryOpt = None,
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
-    timeout: Annotated[
-        float, typer.Option("--timeout", min=0.1, help="Deadline per host and backend, seconds.")
-    ] = 20.0,
+    timeout: TimeoutOpt = 20.0,
     wide: WideOpt = False,
     deep: Annotated[
         bool,
@@ -177,6 +178,7 @@ def phases(
         list[str] | None, typer.Option("--phase", help="With --run: only this phase (repeat).")
     ] = None,
     wide: WideOpt = False,
+    timeout: TimeoutOpt = 15.0,
 ) -> None:
     """The roadmap's phases from evidence: done, in progress, blocked, remaining, and every
     unmet criterion with its threshold, last value and age, under the three answers. Exit 0
@@ -194,6 +196,7 @@ def phases(
             candidate=candidate,
             run=run,
             only=only,
+            timeout_s=timeout,
             on_start=None if json_ else lambda what: err_print(f"running {what}..."),
             progress=progress,
         )
@@ -224,6 +227,7 @@ def report(
     target: TargetOpt = None,
     candidate: CandidateOpt = None,
     json_: JsonOpt = False,
+    timeout: TimeoutOpt = 15.0,
 ) -> None:
     """The readiness report for CI. Exit 0 when the target phase is reachable now, 1 when not."""
     from kdctl.readiness import assess
@@ -232,7 +236,9 @@ def report(
     chosen = parse_formats(formats)
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:
-        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate)
+        found = assess(
+            inv, store, roadmap=roadmap, target=target, candidate=candidate, timeout_s=timeout
+        )
         written = render_reports(found, store, chosen, output, inventory=str(inv.path))
     # The exit code is answer 3 itself: a CI job gated on it agrees with the text.
     reachable = found.answers.cutover.can_cut_over is True

@@ -941,14 +941,29 @@ def assess_phases(
     candidate: str | None = None,
     run: bool = False,
     only: list[str] | None = None,
+    timeout_s: float = 15.0,
     on_start: Callable[[str], None] | None = None,
     progress: ProgressHook | None = None,
     session: Session | None = None,
 ) -> Readiness:
     """`kdctl phases`: the assessment of the roadmap; with `run`, the gate behind every unmet
-    criterion (of the phases in `only`) runs first, and the answers come from what it recorded."""
+    criterion (of the phases in `only`) runs first, and the answers come from what it recorded.
+    `timeout_s` bounds each engine's answer to who it is (a command-mode engine's binary
+    loads its model to say)."""
+
+    def assessed(s: Session) -> Readiness:
+        return assess(
+            inv,
+            store,
+            roadmap=roadmap,
+            target=target,
+            candidate=candidate,
+            timeout_s=timeout_s,
+            session=s,
+        )
+
     with using(inv, session) as s:
-        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate, session=s)
+        found = assessed(s)
         if found.phases is None:
             raise InputError(f"{inv.path}: no roadmap selected (set roadmap: or --roadmap)")
         if not run:
@@ -963,8 +978,7 @@ def assess_phases(
             progress=progress,
             session=s,
         )
-        found = assess(inv, store, roadmap=roadmap, target=target, candidate=candidate, session=s)
-        return replace(found, ran=ran)
+        return replace(assessed(s), ran=ran)
 
 
 def _front_now(probe: ServingProbe) -> FrontNow | None:

@@ -539,8 +539,12 @@ def test_ct200_roadmap_with_imported_evidence(
         "evidence", "import", str(exported), "-i", str(twin), "--state-dir", str(fresh), env=env
     )
     assert imported.code == 0, imported.err
-    code, doc = phases(twin, "--state-dir", str(fresh), env=env)
-    assert code == 1 and statuses(doc) == got
+    # Six binaries load their models to say who they are: on a loaded machine, more than the
+    # default 15 s, and one that does not answer is held to the inventory (TP 8 where the
+    # reference engine standing in for it reports 1).
+    code, doc = phases(twin, "--state-dir", str(fresh), "--timeout", "120", env=env)
+    unmet = {c["name"]: c["reason"] for p in doc["phases"] for c in p["criteria"] if not c["met"]}
+    assert code == 1 and statuses(doc) == got, (statuses(doc), unmet)
     criteria = {c["name"]: c for p in doc["phases"] for c in p["criteria"]}
     assert criteria["core-exact"]["state"] == "pass"
     # The engine's kernel benchmark is not installed on this machine: the command gate says so.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import date, datetime, timedelta, timezone
+from datetime import date, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,8 +43,10 @@ from kdctl.roadmap import (
     Roadmap,
     evaluate,
     evaluate_criterion,
+    latest_crossing,
     load_roadmap,
     roadmap_path,
+    undated_why,
 )
 from kdctl.serving import EngineAnswer, ServingProbe, probe_serving
 from kdctl.session import Identity, Session, using
@@ -728,22 +730,18 @@ def _remaining(phase: PhaseStatus) -> str:
 
 def _soon(report: PhaseReport) -> Soon:
     """From the trends of the criteria that block the target: a date only when each has one."""
-    without = [c for c in report.blocking if c.trend is None or c.trend.eta is None]
-    if without or not report.blocking:
-        named = "; ".join(
-            f"{c.phase}/{c.name} ({c.trend.reason if c.trend else 'no numeric requirement'})"
-            for c in without[:4]
-        )
+    crossing = latest_crossing(report.blocking)
+    if crossing.last is None:
+        named = "; ".join(f"{c.phase}/{c.name} ({undated_why(c)})" for c in crossing.undated[:4])
         # The date stays unknown, but what the others' trends say is still worth knowing.
-        dated = [c for c in report.blocking if c.trend is not None and c.trend.eta is not None]
         partial = "".join(
             f"; {c.phase}/{c.name} would cross about {c.trend.eta:%Y-%m-%d} if it keeps moving "
             f"{c.trend.slope_per_day:+.4g}/day"
-            for c in dated[:2]
+            for c in crossing.dated[:2]
             if c.trend is not None and c.trend.eta is not None
         )
         return Soon(detail=(f"no forecast for {named}" if named else "no forecast") + partial)
-    last = max(report.blocking, key=lambda c: c.trend.eta if c.trend and c.trend.eta else now_min())
+    last = crossing.last
     t = last.trend
     assert t is not None and t.eta is not None
     # The range is the slope's 95% interval; where it reaches flat there is no latest date.
@@ -761,10 +759,6 @@ def _soon(report: PhaseReport) -> Soon:
         "the trend holding" + (f" ({t.note})" if t.note else ""),
         dated_back=bool(t.note),
     )
-
-
-def now_min() -> datetime:
-    return datetime.min.replace(tzinfo=timezone.utc)
 
 
 def _serving(

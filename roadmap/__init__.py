@@ -5,13 +5,16 @@ module are the shipped roadmaps, and prompts/ their corpora."""
 from kdctl.roadmap._estimate import Estimate
 from kdctl.roadmap._evaluate import (
     CriterionStatus,
+    Crossing,
     FrontNow,
     Measured,
     PhaseReport,
     PhaseStatus,
     evaluate,
     evaluate_criterion,
+    latest_crossing,
     pinned_settings,
+    undated_why,
 )
 from kdctl.roadmap._load import (
     ResolvedCriterion,
@@ -25,6 +28,7 @@ from kdctl.roadmap._model import Criterion, Phase, RoadmapSpec
 __all__ = [
     "Criterion",
     "CriterionStatus",
+    "Crossing",
     "Estimate",
     "FrontNow",
     "Measured",
@@ -37,7 +41,9 @@ __all__ = [
     "check_roadmap",
     "evaluate",
     "evaluate_criterion",
+    "latest_crossing",
     "load_roadmap",
     "pinned_settings",
     "roadmap_path",
+    "undated_why",
 ]

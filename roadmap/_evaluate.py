@@ -7,7 +7,7 @@ settings it pins), and only while that result is fresh. A newer failure undoes a
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import date, datetime, timezone
 from typing import Any, Literal
@@ -353,20 +353,42 @@ def _passes(c: ResolvedCriterion, result: GateResult | None) -> bool:
     return result is not None and _verdict(c, result) == "pass" and not _require(c, result)[1]
 
 
-def _phase_eta(criteria: list[CriterionStatus]) -> tuple[datetime | None, str | None]:
+@dataclass(frozen=True)
+class Crossing:
+    """When some unmet criteria are all forecast to be met: the latest of their trends'
+    dates, set by `last`; none while any of them (`undated`) has no date."""
+
+    last: CriterionStatus | None
+    undated: list[CriterionStatus]
+    dated: list[CriterionStatus]
+
+    @property
+    def eta(self) -> datetime | None:
+        return self.last.trend.eta if self.last and self.last.trend else None
+
+
+def latest_crossing(criteria: Iterable[CriterionStatus]) -> Crossing:
     unmet = [c for c in criteria if not c.met]
-    if not unmet:
-        return None, None
-    dated = [(c.trend.eta, c) for c in unmet if c.trend is not None and c.trend.eta is not None]
-    if len(dated) < len(unmet):
-        named = "; ".join(
-            f"{c.name} ({c.trend.reason if c.trend else 'no numeric requirement'})"
-            for c in unmet
-            if c.trend is None or c.trend.eta is None
-        )
+    dated = [c for c in unmet if c.trend is not None and c.trend.eta is not None]
+    undated = [c for c in unmet if c.trend is None or c.trend.eta is None]
+    last = None
+    if dated and not undated:
+        last = max(dated, key=lambda c: _eta_key(c.trend))
+    return Crossing(last=last, undated=undated, dated=dated)
+
+
+def undated_why(c: CriterionStatus) -> str:
+    return c.trend.reason if c.trend else "no numeric requirement"
+
+
+def _phase_eta(criteria: list[CriterionStatus]) -> tuple[datetime | None, str | None]:
+    crossing = latest_crossing(criteria)
+    if crossing.undated:
+        named = "; ".join(f"{c.name} ({undated_why(c)})" for c in crossing.undated)
         return None, f"unknown: no forecast for {named}"
-    eta, last = max(dated, key=lambda pair: pair[0])
-    return eta, f"about {eta:%Y-%m-%d}, limited by {last.name}"
+    if crossing.last is None:
+        return None, None
+    return crossing.eta, f"about {crossing.eta:%Y-%m-%d}, limited by {crossing.last.name}"
 
 
 # A pace is a rate over time: phases first done minutes apart (a first run of every gate)
@@ -539,8 +561,8 @@ def _holds(t: Trend) -> bool:
     )
 
 
-def _eta_key(t: Trend) -> datetime:
-    return t.eta or datetime.min.replace(tzinfo=timezone.utc)
+def _eta_key(t: Trend | None) -> datetime:
+    return (t.eta if t else None) or datetime.min.replace(tzinfo=timezone.utc)
 
 
 def _criterion(

@@ -68,7 +68,7 @@ def freshness_window(inv: LoadedInventory, gate: str) -> timedelta:
     cls = gate_class(gate)
     configured = inv.spec.gates.freshness
     for name in configured:
-        # `baseline`: how long a recorded baseline stands (kdctl.recording.baseline_window).
+        # `baseline`: how long a recorded baseline stands (kdctl.evidence.baseline_window).
         if name not in gates() and name != "baseline":
             raise InputError(f"gates.freshness.{name}: unknown gate {name!r}")
     if gate in configured:

@@ -25,12 +25,11 @@ from kdctl.checks import (
     freshness_window,
     gate_class,
     gates,
-    measured_otherwise,
     utcnow,
     with_settings,
 )
 from kdctl.errors import InputError
-from kdctl.evidence import EvidenceStore, age_text, freshness, shared_url
+from kdctl.evidence import EvidenceStore, age_text, currency, shared_url
 from kdctl.inventory import LoadedInventory, SystemdService
 from kdctl.probes import ServiceState
 from kdctl.recording import run_gates
@@ -161,26 +160,20 @@ def latest_verdicts(
                 evidence_id=r.id,
             )
             ident = known.get(backend)
-            if ident is not None:
-                current = ident.provenance
-                if r.baseline is not None and r.baseline in known:
-                    current = current.with_baseline(known[r.baseline].provenance)
-                f = freshness(
-                    r,
-                    window=freshness_window(inv, gate),
-                    current=current,
-                    now=now,
-                    live=ident.live,
-                )
-                verdict.fresh, verdict.freshness = f.fresh, f.reason
-            # The settings it may have run under: the inventory's, or a roadmap criterion's own
-            # (`phases --run` runs each criterion's gate under its settings).
-            ways = [inv, *asked.get((gate, backend), [])]
-            verdicts = [measured_otherwise(way, r, memo) for way in ways]
-            other = None if None in verdicts else verdicts[0]
-            if other is not None and verdict.fresh is not False:
-                # Whoever the engine is, this is not the measurement the inventory asks for now.
-                verdict.fresh, verdict.freshness = False, f"stale: {other}"
+            base = known.get(r.baseline) if r.baseline else None
+            f = currency(
+                r,
+                window=freshness_window(inv, gate),
+                current=ident.provenance if ident else None,
+                live=ident.live if ident else False,
+                baseline=base.provenance if base else None,
+                # The settings it may have run under: the inventory's, or a roadmap
+                # criterion's own (`phases --run` runs each criterion's gate under its own).
+                ways=[inv, *asked.get((gate, backend), [])],
+                now=now,
+                memo=memo,
+            )
+            verdict.fresh, verdict.freshness = f.fresh, f.reason
             found.append(verdict)
     return found
 

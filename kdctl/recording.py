@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from pydantic import BaseModel
 
@@ -15,7 +15,6 @@ from kdctl.checks import (
     GateContext,
     GateResult,
     ProgressHook,
-    freshness_window,
     gate_class,
     gate_settings,
     gates,
@@ -25,39 +24,9 @@ from kdctl.checks.api_conformance import PROBES, record_api
 from kdctl.checks.exactness import corpus_path, load_corpus, record_golden
 from kdctl.checks.signoff import sign_off
 from kdctl.checks.throughput import record_throughput
-from kdctl.evidence import EvidenceStore, age_text
+from kdctl.evidence import EvidenceStore, age_text, baseline_gaps
 from kdctl.inventory import LoadedInventory
-from kdctl.inventory.models import parse_duration
 from kdctl.session import Identity, Session, check_names, using
-
-
-def baseline_window(inv: LoadedInventory, kind: BaselineKind) -> tuple[timedelta, str] | None:
-    """How long a recorded baseline of `kind` stands, and the window's name. The engine serving
-    today must be restarted to be measured again, so its records may have a window of their
-    own (`gates.freshness.baseline`); unset, a throughput run stands as long as the throughput
-    gate's results (a speed is the machine's as much as the build's: drivers, clocks, firmware,
-    none of which the identity holds), and golden outputs and API answers as long as what they
-    were measured on is what runs."""
-    configured = inv.spec.gates.freshness
-    if "baseline" in configured:
-        return parse_duration(configured["baseline"]), "the baseline window"
-    if kind == "throughput":
-        return freshness_window(inv, "throughput"), "the throughput window"
-    return None
-
-
-def baseline_gaps(inv: LoadedInventory, b: Baseline, now: Identity) -> list[str]:
-    """Why a recorded baseline does not describe the engine as it is now; empty where it does.
-    An engine that answers is held to what it reports; one that does not (stopped for a swap)
-    to what its host shows (the checkpoint's fingerprint, the host's id) and the inventory
-    declares."""
-    fields = None if now.live else ("weights", "host_id")
-    gaps = b.provenance.differs_from(now.provenance, fields)
-    window = baseline_window(inv, b.kind)
-    age = utcnow() - b.created_at
-    if not gaps and window is not None and age > window[0]:
-        gaps.append(f"recorded {age_text(age)} ago, past {window[1]} of {age_text(window[0])}")
-    return gaps
 
 
 @contextmanager
@@ -81,7 +50,7 @@ def gate_context(
             # A run recorded on another build, checkpoint, host or TP measured something else;
             # the result carries the record's identity for freshness to hold against what is
             # deployed.
-            gaps = [baseline_gaps(inv, b, now) for b in found]
+            gaps = [baseline_gaps(inv, b, now.provenance, live=now.live) for b in found]
             chosen = next((b for b, gap in zip(found, gaps, strict=True) if not gap), None)
             if chosen is None:
                 ctx.passed_over[name] = (
@@ -371,7 +340,11 @@ def baseline_coverage(
                 continue
             seen.add((b.kind, b.workload_hash))
             ident = identities.get(name)
-            gaps = baseline_gaps(inv, b, ident) if ident is not None else None
+            gaps = (
+                baseline_gaps(inv, b, ident.provenance, live=ident.live)
+                if ident is not None
+                else None
+            )
             found.append(
                 BaselineCoverage(
                     backend=name,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from typing import Any, Literal
 
@@ -19,9 +19,8 @@ from kdctl.checks import (
     freshness_window,
     gate_settings,
     with_settings,
-    workload_changed,
 )
-from kdctl.evidence import EvidenceStore, age_text, freshness
+from kdctl.evidence import EvidenceStore, age_text, currency
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.records import GateResult, Metric, utcnow
@@ -190,7 +189,8 @@ def evaluate(
                     c,
                     inv,
                     found[(c.phase, c.name)],
-                    _bound_identity(c, identities),
+                    identities.get(c.backend),
+                    identities.get(c.baseline) if c.baseline else None,
                     now,
                     front,
                     memo,
@@ -432,18 +432,11 @@ def evaluate_criterion(
     now = now or utcnow()
     result = _newest_match(c, inv, store)
     names = {c.backend} | ({c.baseline} if c.baseline else set())
-    identity = _bound_identity(c, identify(names)) if result is not None else None
-    return _criterion(c, inv, result, identity, now)
-
-
-def _bound_identity(c: ResolvedCriterion, identities: Mapping[str, Identity]) -> Identity | None:
-    """The backend's identity now, with its baseline's weights and host beside it: a result
-    measured against another baseline than the one there now does not count."""
-    mine = identities.get(c.backend)
-    if mine is None or c.baseline is None or c.baseline not in identities:
-        return mine
-    base = identities[c.baseline].provenance
-    return replace(mine, provenance=mine.provenance.with_baseline(base))
+    if result is None:
+        return _criterion(c, inv, result, None, None, now)
+    identities = identify(names)
+    base = identities.get(c.baseline) if c.baseline else None
+    return _criterion(c, inv, result, identities.get(c.backend), base, now)
 
 
 def pinned_settings(c: ResolvedCriterion, inv: LoadedInventory) -> dict[str, Any]:
@@ -570,6 +563,7 @@ def _criterion(
     inv: LoadedInventory,
     result: GateResult | None,
     identity: Identity | None,
+    baseline_now: Identity | None,
     now: datetime,
     front: FrontNow | None = None,
     memo: Workloads | None = None,
@@ -604,19 +598,18 @@ def _criterion(
         "age_s": (now - result.ended_at).total_seconds(),
     }
     values, broken = _require(c, result)
-    stale_by: tuple[str, ...] = ()
-    if identity is None:
-        fresh_ok, why, stale_by = False, "stale: the backend's identity is unknown", ("identity",)
-    else:
-        f = freshness(
-            result, window=window, current=identity.provenance, now=now, live=identity.live
-        )
-        fresh_ok, why, stale_by = f.fresh, f.reason, f.changed
-    if fresh_ok:
-        # The settings matched (pinned); the prompts they name may have changed since.
-        other = workload_changed(with_settings(inv, c.gate, c.spec.settings), result, memo)
-        if other is not None:
-            fresh_ok, why, stale_by = False, f"stale: {other}", ("workload",)
+    f = currency(
+        result,
+        window=window,
+        current=identity.provenance if identity else None,
+        live=identity.live if identity else False,
+        baseline=baseline_now.provenance if baseline_now else None,
+        ways=[with_settings(inv, c.gate, c.spec.settings)],
+        settings_matched=True,  # chosen by the settings it pins
+        now=now,
+        memo=memo,
+    )
+    fresh_ok, why, stale_by = f.fresh, f.reason, f.changed
     if fresh_ok and front is not None and c.gate == "promotion" and result.verdict == "pass":
         # A promotion says what the router did then; the front says what it does now.
         moved = front.promoted(c.backend)

@@ -14,6 +14,7 @@ from kdctl.errors import InputError
 from kdctl.evidence import (
     EvidenceStore,
     SqliteStore,
+    currency,
     export_evidence,
     freshness,
     import_evidence,
@@ -224,6 +225,42 @@ def test_a_result_holds_only_under_the_engine_settings_it_was_measured_with() ->
         current=drafting.model_copy(update={"engine_version": None}),
     ).fresh
     assert freshness(result(), window=hour, current=PROV).fresh
+
+
+def test_one_currency_rule_for_every_answer(tmp_path: Path) -> None:
+    """Age, identity, the baseline's identity and the settings it ran under, in one rule: a
+    result stands only where each holds, and says which did not."""
+    from kdctl.checks import gate_settings, with_settings
+    from kdctl.inventory import load_inventory
+
+    inv = load_inventory(
+        write_inventory(tmp_path / "inv.yaml", {"hosts": {"local": {"transport": "local"}}})
+    )
+    hour = timedelta(hours=1)
+    ran = result(gate="tp-health").model_copy(update={"settings": gate_settings(inv, "tp-health")})
+    assert currency(ran, window=hour, current=PROV, live=True, ways=[inv]).fresh
+    unknown = currency(ran, window=hour, current=None, live=False, ways=[inv])
+    assert not unknown.fresh and unknown.changed == ("identity",)
+    old = currency(ran, window=timedelta(seconds=10), current=PROV, live=True, ways=[inv])
+    assert not old.fresh and old.changed == ("age",)
+    # Other settings now: stale, unless another way it may stand for (a criterion's) matches,
+    # or the caller chose the result by the settings it pins.
+    stricter = with_settings(inv, "tp-health", {"min_busbw_gbps": 40})
+    other = currency(ran, window=hour, current=PROV, live=True, ways=[stricter])
+    assert not other.fresh and other.changed == ("workload",)
+    assert "measured under other tp-health settings (min_busbw_gbps" in other.reason
+    assert currency(ran, window=hour, current=PROV, live=True, ways=[stricter, inv]).fresh
+    assert currency(
+        ran, window=hour, current=PROV, live=True, ways=[stricter], settings_matched=True
+    ).fresh
+    # The baseline compared with is held to what it runs now, beside the engine.
+    tuned = PROV.with_settings({"cuda_graph_max_bs": 8})
+    compared = ran.model_copy(update={"provenance": PROV.with_baseline(tuned)})
+    same = currency(compared, window=hour, current=PROV, live=True, ways=[], baseline=tuned)
+    assert same.fresh
+    retuned = PROV.with_settings({"cuda_graph_max_bs": 64})
+    moved = currency(compared, window=hour, current=PROV, live=True, ways=[], baseline=retuned)
+    assert not moved.fresh and "cuda_graph_max_bs 8 -> 64" in moved.reason
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -3,7 +3,14 @@ PostgreSQL store a team shares."""
 
 import os
 
-from kdctl.evidence._freshness import Freshness, age_text, freshness
+from kdctl.evidence._freshness import (
+    Freshness,
+    age_text,
+    baseline_gaps,
+    baseline_window,
+    currency,
+    freshness,
+)
 from kdctl.evidence._postgres import PostgresStore, connect, error_type, run, shown_url
 from kdctl.evidence._postgres import explain as explain_postgres
 from kdctl.evidence.store import DB_NAME, EvidenceStore, SqliteStore
@@ -73,8 +80,11 @@ __all__ = [
     "PostgresStore",
     "SqliteStore",
     "age_text",
+    "baseline_gaps",
+    "baseline_window",
     "check_url",
     "connect",
+    "currency",
     "error_type",
     "explain_postgres",
     "export_evidence",

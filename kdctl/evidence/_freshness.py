@@ -1,11 +1,17 @@
-"""Whether a result still counts: young enough, and measured on what is deployed now."""
+"""Whether a result or a recorded baseline still counts: young enough, measured on what is
+deployed now, and (a result) the measurement its gate would make now. Every answer kdctl gives
+asks here: `currency` for a result, `baseline_gaps` for a baseline."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from kdctl.records import GateResult, Provenance, utcnow
+from kdctl.checks import Workloads, freshness_window, measured_otherwise, workload_changed
+from kdctl.inventory import LoadedInventory
+from kdctl.inventory.models import parse_duration
+from kdctl.records import Baseline, BaselineKind, GateResult, Provenance, utcnow
 
 # The fields that say "this is the same engine on the same model and hardware".
 _IDENTITY = (
@@ -139,3 +145,72 @@ def freshness(
             False, "stale: deployment changed: " + "; ".join(changed), age, tuple(fields)
         )
     return Freshness(True, f"fresh: {age_text(age)} old, window {age_text(window)}", age)
+
+
+def currency(
+    result: GateResult,
+    *,
+    window: timedelta,
+    current: Provenance | None,
+    live: bool,
+    ways: Sequence[LoadedInventory],
+    baseline: Provenance | None = None,
+    settings_matched: bool = False,
+    now: datetime | None = None,
+    memo: Workloads | None = None,
+) -> Freshness:
+    """Whether `result` still stands for its gate now: the one rule behind every answer.
+
+    Young enough for `window`; measured on what runs now (`current`: what the engine reports
+    where `live`, else what the inventory declares; None where neither could be had), with
+    `baseline`'s identity beside it for a result compared with one; and the measurement its
+    gate would make now under one of `ways` (the inventory's settings, or a roadmap
+    criterion's): the same settings, unless the caller chose the result by them
+    (`settings_matched`), and the same workload, since a prompt file edited in place keeps its
+    name in the settings."""
+    now = now or utcnow()
+    if current is None:
+        return Freshness(
+            False, "stale: the backend's identity is unknown", now - result.ended_at, ("identity",)
+        )
+    if baseline is not None:
+        current = current.with_baseline(baseline)
+    f = freshness(result, window=window, current=current, now=now, live=live)
+    if not f.fresh or not ways:
+        return f
+    check = workload_changed if settings_matched else measured_otherwise
+    whys = [check(way, result, memo) for way in ways]
+    if None in whys:
+        return f
+    return Freshness(False, f"stale: {whys[0]}", f.age, ("workload",))
+
+
+def baseline_window(inv: LoadedInventory, kind: BaselineKind) -> tuple[timedelta, str] | None:
+    """How long a recorded baseline of `kind` stands, and the window's name. The engine serving
+    today must be restarted to be measured again, so its records may have a window of their
+    own (`gates.freshness.baseline`); unset, a throughput run stands as long as the throughput
+    gate's results (a speed is the machine's as much as the build's: drivers, clocks, firmware,
+    none of which the identity holds), and golden outputs and API answers as long as what they
+    were measured on is what runs."""
+    configured = inv.spec.gates.freshness
+    if "baseline" in configured:
+        return parse_duration(configured["baseline"]), "the baseline window"
+    if kind == "throughput":
+        return freshness_window(inv, "throughput"), "the throughput window"
+    return None
+
+
+def baseline_gaps(
+    inv: LoadedInventory, b: Baseline, current: Provenance, *, live: bool
+) -> list[str]:
+    """Why a recorded baseline does not describe the engine as it is now; empty where it does.
+    An engine that answers (`live`) is held to what it reports; one that does not (stopped for
+    a swap) to what its host shows (the checkpoint's fingerprint, the host's id) and the
+    inventory declares."""
+    fields = None if live else ("weights", "host_id")
+    gaps = b.provenance.differs_from(current, fields)
+    window = baseline_window(inv, b.kind)
+    age = utcnow() - b.created_at
+    if not gaps and window is not None and age > window[0]:
+        gaps.append(f"recorded {age_text(age)} ago, past {window[1]} of {age_text(window[0])}")
+    return gaps

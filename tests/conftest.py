@@ -87,8 +87,9 @@ def kdctl(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> Run:
     """Run the real CLI in a new process, as a user would: a fork of a server that has
-    imported kdctl already (tests/support/warm.py), or a cold `python -m kdctl` where the
-    command's interpreter start-up would differ, or KDCTL_TEST_COLD_CLI is set."""
+    imported kdctl already (tests/support/warm.py; for `kdctl reference`, torch too), or a
+    cold `python -m kdctl` where the command's interpreter start-up would differ, or
+    KDCTL_TEST_COLD_CLI is set."""
     global _WARM
     # Wide and fixed, whatever the runner's terminal (pytest-xdist's workers have 80 columns).
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
@@ -97,8 +98,10 @@ def kdctl(
             if _WARM is None:
                 _WARM = WarmCli()
                 atexit.register(_WARM.close)
-        if _WARM.suits(full_env):
-            return Run(*_WARM.run(list(args), full_env, str(cwd or Path.cwd()), timeout))
+        # `kdctl reference ...` imports torch and transformers: the engine server has them.
+        warm = _warm_engines() if args[:1] == ("reference",) else _WARM
+        if warm is not None and warm.suits(full_env):
+            return Run(*warm.run(list(args), full_env, str(cwd or Path.cwd()), timeout))
     proc = subprocess.run(
         [sys.executable, "-m", "kdctl", *args],
         capture_output=True,

@@ -22,7 +22,7 @@ from kdctl.backends.errors import BackendError, BackendHTTPError, BackendTimeout
 from kdctl.backends.health import bearer
 from kdctl.checks._base import Gate, GateContext, provenance_of
 from kdctl.errors import InputError, KdctlError
-from kdctl.records import Baseline, GateResult, Metric, Verdict, content_hash, utcnow
+from kdctl.records import Baseline, GateResult, Metric, content_hash, decide, utcnow
 
 MODEL = "{model}"  # replaced by each engine's own served model name
 
@@ -358,23 +358,23 @@ class ApiConformanceGate(Gate):
         metrics += capacity
         reasons = [f"{len(held) - len(found)}/{len(held)} probes answered as {source}"]
         reasons += [f"{name}: {'; '.join(d[:4])}" for name, d in found.items()]
-        verdict: Verdict | None = None
-        if unanswered:
-            reasons.append(
-                f"{len(unanswered)} of {len(want)} probes not compared: {baseline} did not "
-                f"answer them ({_first_error(want, unanswered)})"
-            )
-            # The API is conformant only as far as it was compared: a pass of the few probes
-            # the baseline answered says nothing of the routes it did not.
-            if not found:
-                verdict = "inconclusive"
-        reasons += said
+        # The API is conformant only as far as it was compared: a pass of the few probes the
+        # baseline answered says nothing of the routes it did not.
+        unjudged = (
+            [
+                f"{len(unanswered)} of {len(want)} probes not compared: {baseline} did not answer "
+                f"them ({_first_error(want, unanswered)})"
+            ]
+            if unanswered
+            else []
+        )
+        reasons += unjudged + said
         return self.result(
             ctx,
             backend,
             started=started,
             baseline=baseline,
-            verdict=verdict,
+            verdict=decide(metrics, unjudged=unjudged),
             metrics=metrics,
             reasons=reasons,
             info=info,

@@ -729,13 +729,13 @@ def judge(
         paths = _paced(settings) if offline else _across_paths(p, base, backend)
         if paths:
             across.append(f"{at}: {paths}")
-        unjudged = unequal or paths is not None
+        shown_only = unequal or paths is not None
         metrics.append(
             Metric(
                 name=f"{c}.ratio",
                 value=ratio,
-                threshold=None if unjudged else settings.min_ratio,
-                comparison=None if unjudged else ">=",
+                threshold=None if shown_only else settings.min_ratio,
+                comparison=None if shown_only else ">=",
             )
         )
         if base is None or not usable:
@@ -767,34 +767,32 @@ def judge(
     if scaling is not None:
         metrics.append(scaling[0])
         reasons.append(scaling[1])
-    verdict = decide(metrics, findings)
-    if short or across:
-        reasons = short + across + reasons
-        if verdict == "pass":
-            verdict = "inconclusive"
-    if verdict == "pass" and not decided:
-        verdict = "inconclusive"
-        reasons.append("no baseline and no SLO set: nothing to judge the figures against")
+    # Why the figures cannot pass, whatever they are: the verdict is at most inconclusive.
+    unjudged = short + across
+    if not decided:
+        unjudged.append("no baseline and no SLO set: nothing to judge the figures against")
     speculative = [
         who
         for who, run in ((backend, points), ("the baseline", base_points or []))
         if any(p.spec_accept_length is not None or p.spec_accept_from for p in run)
     ]
     served = all(p.completed and p.failed <= settings.max_failed_requests for p in points)
-    if speculative and random_ids and served and verdict != "error":
-        # A speculative decoder's speed is a property of the text it drafts on: random token
-        # ids accept almost nothing, so figures on them say little of the engine either way.
-        verdict = "inconclusive"
+    # A speculative decoder's speed is a property of the text it drafts on: random token ids
+    # accept almost nothing, so figures on them say little of the engine either way, and
+    # nothing is judged: neither a threshold held nor one broken.
+    judged = not (speculative and random_ids and served)
+    if not judged:
         # `auto` asks served engines whether they draft; an engine run offline is not asked
         # (a run of its binary to find out costs its load), so only `text` chooses text for it.
         sources = "text" if offline else "auto or text"
-        reasons.insert(
+        unjudged.insert(
             0,
             f"{' and '.join(speculative)} decode speculatively, and the workload is random "
             f"token ids: set gates.throughput.workload.source to {sources} (or prompts to a "
             "text corpus) to judge speed",
         )
-    return metrics, findings + reasons, verdict
+    verdict = decide(metrics if judged else [], findings if judged else [], unjudged)
+    return metrics, findings + unjudged + reasons, verdict
 
 
 def _scaling(points: list[BenchMetrics], prefix: str, word: str) -> tuple[Metric, str] | None:

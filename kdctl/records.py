@@ -76,16 +76,19 @@ class Metric(BaseModel):
         }[self.comparison]
 
 
-def decide(metrics: Sequence[Metric], findings: Sequence[str] = ()) -> Verdict:
-    """The verdict every gate's measurements come to.
+def decide(
+    metrics: Sequence[Metric], findings: Sequence[str] = (), unjudged: Sequence[str] = ()
+) -> Verdict:
+    """The verdict every gate's measurements come to: the one place a verdict is made.
 
     A finding or a broken threshold fails. A threshold whose value was not measured cannot pass,
-    and neither can a run in which no threshold was judged at all: both are inconclusive, since
-    what was not measured may be broken. Only then does the gate pass.
+    and neither can a run in which no threshold was judged at all, nor one with any reason in
+    `unjudged` (the gate's own: runs of other lengths, probes not compared): all are
+    inconclusive, since what was not measured may be broken. Only then does the gate pass.
     """
     if findings or any(m.passed is False for m in metrics):
         return "fail"
-    if any(m.unmeasured for m in metrics) or not any(m.passed for m in metrics):
+    if unjudged or any(m.unmeasured for m in metrics) or not any(m.passed for m in metrics):
         return "inconclusive"
     return "pass"
 

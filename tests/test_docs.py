@@ -1,12 +1,16 @@
 """The documentation against the code it describes, so neither drifts from the other: links
 resolve, the CLI reference names real commands and options (and all of them), the inventory
 reference names every field of the pydantic models and no other, every gate has its heading,
-the JSON reference lists the keys the documents carry, and README.md stays short. Nothing here
-starts a server; each check is shown failing on a planted mistake too."""
+the JSON reference lists the keys the documents carry, README.md stays short, and every
+example on every page is real: each `kdctl` line (fenced or inline) names commands and options
+the CLI has, and each YAML example validates as what it is an example of. (The shell wrapper in
+roadmap/README.md is run by tests/test_phases.py.) Nothing here starts a server; each check is
+shown failing on a planted mistake too."""
 
 from __future__ import annotations
 
 import re
+import textwrap
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -15,7 +19,8 @@ from typing import Annotated, Any
 
 import pytest
 import typer
-from pydantic import BaseModel
+import yaml
+from pydantic import BaseModel, ValidationError
 
 import kdctl.cli
 from kdctl.checks import gates
@@ -37,6 +42,11 @@ _FENCE = re.compile(r"^(```|~~~)")
 
 def pages() -> list[Path]:
     return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def every_page() -> list[Path]:
+    """Every page a reader meets, the contributors' and the roadmap folder's too."""
+    return [*pages(), REPO / "CONTRIBUTING.md", REPO / "roadmap" / "README.md"]
 
 
 def prose(text: str) -> str:
@@ -131,6 +141,8 @@ def parse_command_line(root: Any, line: str) -> tuple[tuple[str, ...], Any, list
     cmd, path, problems = root, ("kdctl",), []
     while words and subcommands(cmd) and not words[0].startswith(("-", "[", "(")):
         name = words.pop(0)
+        if name.isupper():  # a placeholder: `kdctl COMMAND --help`
+            return path, None, [], problems
         if name not in subcommands(cmd):
             problems.append(f"`{line}`: {' '.join(path)} has no command {name!r}")
             return path, None, [], problems
@@ -143,11 +155,19 @@ def parse_command_line(root: Any, line: str) -> tuple[tuple[str, ...], Any, list
     return path, cmd, shown, problems
 
 
-def cli_problems(text: str, root: Any) -> tuple[list[str], set[tuple[str, ...]]]:
-    """What the lines of `text` show that the CLI does not have, and the commands they show."""
+def inline_commands(text: str) -> list[str]:
+    """The `kdctl ...` code spans of the prose: examples as much as the fenced ones."""
+    return re.findall(r"`(kdctl(?: [^`\n]*)?)`", text)
+
+
+def cli_problems(
+    text: str, root: Any, *, inline: bool = False
+) -> tuple[list[str], set[tuple[str, ...]]]:
+    """What the lines of `text` show that the CLI does not have, and the commands they show;
+    with `inline`, its code spans' too."""
     problems: list[str] = []
     seen: set[tuple[str, ...]] = set()
-    for line in command_lines(text):
+    for line in command_lines(text) + (inline_commands(text) if inline else []):
         path, cmd, shown, wrong = parse_command_line(root, line)
         problems += wrong
         if cmd is None:
@@ -410,6 +430,57 @@ def test_the_readme_stays_short() -> None:
     assert readme_problems(text) == []
 
 
+# --- the examples ------------------------------------------------------------------------------
+
+_YAML_BLOCK = re.compile(r"^```yaml\n(.*?)^```", re.S | re.M)
+# A fragment names hosts it does not declare: the box every example runs on.
+_EXAMPLE_HOSTS = {"hosts": {"ct200": {"address": "ct200.example.internal"}}}
+
+
+def yaml_problems(text: str) -> tuple[list[str], int]:
+    """Each YAML example validated by the model it is an example of: a roadmap (it has
+    `phases`), a list of criteria, or an inventory or a part of one; the problems, and how many
+    examples there were."""
+    from kdctl.roadmap import Criterion, RoadmapSpec
+
+    problems = []
+    blocks = _YAML_BLOCK.findall(text)
+    for block in blocks:
+        data = yaml.safe_load(textwrap.dedent(block))
+        try:
+            if isinstance(data, list):
+                for criterion in data:
+                    Criterion.model_validate(criterion)
+            elif "phases" in data:
+                RoadmapSpec.model_validate(data)
+            else:
+                Inventory.model_validate({**_EXAMPLE_HOSTS, **data})
+        except ValidationError as exc:
+            first = block.strip().splitlines()[0]
+            problems.append(f"the example starting {first!r}: {exc}")
+    return problems, len(blocks)
+
+
+def test_every_command_line_in_the_docs_is_real() -> None:
+    root = cli_root()
+    shown = 0
+    for page in every_page():
+        text = page.read_text(encoding="utf-8")
+        shown += len(command_lines(text)) + len(inline_commands(text))
+        problems, _ = cli_problems(text, root, inline=True)
+        assert problems == [], page
+    assert shown >= 60, shown
+
+
+def test_every_yaml_example_is_valid() -> None:
+    seen = 0
+    for page in every_page():
+        problems, count = yaml_problems(page.read_text(encoding="utf-8"))
+        assert problems == [], page
+        seen += count
+    assert seen >= 8, seen
+
+
 # --- each check fails on a planted mistake -------------------------------------------------
 
 
@@ -480,3 +551,19 @@ def test_a_long_readme_is_caught() -> None:
     assert readme_problems(text.replace("make test ", "make check ")) == [
         "README.md no longer shows the test command, `make test`"
     ]
+
+
+def test_an_invalid_yaml_example_is_caught() -> None:
+    page = (
+        "```yaml\nbackends:\n  native: {kind: native, host: ct200, urll: http://x:1}\n```\n"
+        "```yaml\nphases:\n  - {id: a, title: A, criteria: [{gate: health, require: 3}]}\n```\n"
+        "```yaml\n- {gate: throughput, settings: {mode: offline-batch}, requires: {}}\n```\n"
+    )
+    problems, count = yaml_problems(page)
+    assert count == 3 and len(problems) == 3, problems
+    assert "urll" in problems[0] and "require" in problems[1] and "requires" in problems[2]
+
+
+def test_a_command_line_with_an_unknown_option_in_any_page_is_caught() -> None:
+    problems, _ = cli_problems("```\n$ kdctl phases --run --fast\n```\n", cli_root())
+    assert problems == ["`kdctl phases --run --fast`: kdctl phases has no option --fast"]

@@ -439,3 +439,14 @@ def twin_server(models: dict[str, Path]) -> Iterator[Served]:
     yield served
     served.proc.terminate()
     served.proc.wait(10)
+
+
+@pytest.fixture
+def front(
+    tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
+) -> Iterator[dict[str, Any]]:
+    """nginx with kdctl's configuration in front of the reference server (`baseline`) and its
+    twin (`candidate`), all traffic to the baseline (tests/support/traffic.py)."""
+    from tests.support.traffic import nginx_front
+
+    yield from nginx_front(tmp_path, need_nginx, reference_server.url, twin_server.url)

@@ -21,7 +21,7 @@ import yaml
 
 from tests.conftest import Served, engine_pair, kdctl, need_module, write_inventory
 from tests.support.faulty import replay, serve
-from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.nginx import router_entry, start_nginx, stop_nginx
 from tests.support.sshd import free_port
 
 need_module("torch", "reference")
@@ -68,16 +68,7 @@ class Front:
             "state_dir": "state",
         }
         if router:
-            data["router"] = {
-                "kind": "nginx",
-                "host": "local",
-                "listen": f"127.0.0.1:{self.port}",
-                "serving": "baseline",
-                "include": str(self.include),
-                "nginx": nginx,
-                "prefix": str(self.include.parent),
-                "conf": str(self.include.parent / "nginx.conf"),
-            }
+            data["router"] = router_entry(nginx, self.include.parent, self.port)
         self.inv = write_inventory(root / "inv.yaml", data)
         self.nginx = nginx
         self.pidfile: Path | None = None

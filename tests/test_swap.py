@@ -18,9 +18,9 @@ import yaml
 
 from kdctl.backends.reference import serve_argv
 from tests.conftest import kdctl, need_module, warm_argv, write_inventory
-from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.nginx import kdctl_front, router_entry
 from tests.support.sshd import free_port
-from tests.test_traffic import ROADMAP, promotion
+from tests.support.traffic import ROADMAP, promotion
 
 need_module("torch", "reference")
 
@@ -58,7 +58,6 @@ def swap_setup(nginx: str, models: dict[str, Path], root: Path) -> Iterator[Swap
     recorded; every process stopped on the way out."""
     from kdctl.backends import make_backend
     from kdctl.inventory import load_inventory
-    from kdctl.traffic.nginx import NginxRouter
     from kdctl.transports import TransportPool
 
     ports = {n: free_port() for n in ("baseline", "candidate", "candidate-int4", "leaky", "front")}
@@ -98,37 +97,28 @@ def swap_setup(nginx: str, models: dict[str, Path], root: Path) -> Iterator[Swap
         {
             "hosts": {"local": {"transport": "local", "gpus": 1}},
             "backends": backends,
-            "router": {
-                "kind": "nginx",
-                "host": "local",
-                "listen": f"127.0.0.1:{ports['front']}",
-                "serving": "baseline",
-                "include": str(include),
-                "nginx": nginx,
-                "prefix": str(root / "nginx"),
-                "conf": str(root / "nginx" / "nginx.conf"),
-            },
+            "router": router_entry(nginx, root / "nginx", ports["front"]),
             "gates": {"exactness": {"max_new_tokens": 6, "top_k": 3, "mode": "strict"}},
             "roadmap": "roadmap.yaml",
             "state_dir": "state",
         },
     )
     loaded = load_inventory(inv_path)
-    with TransportPool(loaded) as pool:
-        router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
-        include.write_text(router.render({"baseline": 100}))
-        with make_backend("baseline", loaded.backends["baseline"]) as be:
+    inv = str(inv_path)
+    swap = Swap(root, inv, include, ports, backends)
+    try:
+        with (
+            TransportPool(loaded) as pool,
+            make_backend("baseline", loaded.backends["baseline"]) as be,
+        ):
             control = be.lifecycle(pool.get("local"))
             control.start()
             control.wait_ready(deadline_s=180)
-    pidfile = start_nginx(root / "nginx", f"  include {include};", [ports["front"]])
-    swap = Swap(root, str(inv_path), include, ports, backends)
-    try:
-        golden = kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", swap.inv)
-        assert golden.code == 0, golden.err
-        yield swap
+        with kdctl_front(inv_path, {"baseline": 100}):
+            golden = kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", inv)
+            assert golden.code == 0, golden.err
+            yield swap
     finally:
-        stop_nginx(pidfile)
         for name in backends:
             pid = root / f"{name}.pid"
             if pid.exists():

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from tests.conftest import kdctl, need_module
+from tests.support.traffic import Load, kill_when, weights
 from tests.test_swap import TOKEN, swap_setup
-from tests.test_traffic import Load, _kill_when, weights
 
 need_module("torch", "reference")
 
@@ -51,7 +51,7 @@ def test_swap_killed_after_each_journal_row_then_resumed_or_rolled_back(
                     with sqlite3.connect(db) as conn:
                         before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
                 args = ["cutover", "--to", other, "--force", "--yes", "-i", inv]
-                _kill_when(args, db, "SELECT count(*) FROM steps", before + k)
+                kill_when(args, db, "SELECT count(*) FROM steps", before + k)
                 with SqliteJournal(tmp_path / "state") as journal:
                     open_one = journal.latest(state="running")
                 assert open_one is not None, f"round {k}: the swap finished before the kill"

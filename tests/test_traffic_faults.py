@@ -16,11 +16,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import kdctl, need_module, serve_reference
-from tests.test_traffic import Load, _front, _kill_when, front, weights
+from tests.support.traffic import Load, kill_when, nginx_front, weights
 
 need_module("torch", "reference")
-
-__all__ = ["front"]  # the fixture, shared with tests/test_traffic.py
 
 
 @pytest.mark.parametrize(
@@ -57,7 +55,7 @@ def test_sigkill_after_each_journal_step_then_resume_or_rollback(
                 before = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
                 conn.close()
             cutover = ["cutover", "--to", "candidate", "--strategy", strategy, *steps]
-            _kill_when(
+            kill_when(
                 [*cutover, "--force", "--yes", "-i", inv],
                 db,
                 "SELECT count(*) FROM steps",
@@ -117,7 +115,7 @@ def test_a_first_change_written_and_never_applied_is_said_from_the_journal(
     # The reload follows the written row within milliseconds; a kill that lands after it is
     # rolled back and tried again.
     for _ in range(5):
-        _kill_when([*args, "-i", inv], db, "SELECT count(*) FROM steps", 3)
+        kill_when([*args, "-i", inv], db, "SELECT count(*) FROM steps", 3)
         answered = httpx.get(front["url"] + "/health").headers.get(BACKEND_HEADER)
         if answered == "baseline" and weights(front["include"]) == {"candidate": 100}:
             break
@@ -146,7 +144,7 @@ def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
     db = front["inv"].parent / "state" / "traffic.sqlite"
     canary = ["cutover", "--to", "candidate", "--steps", "50,100", "--watch", "30"]
     canary += ["--force", "--yes", "-i", inv]
-    _kill_when(canary, db, "SELECT count(*) FROM cutovers", 1)
+    kill_when(canary, db, "SELECT count(*) FROM cutovers", 1)
     with SqliteJournal(db.parent) as journal:
         first = journal.latest()
     assert first is not None and first.state == "running"
@@ -171,21 +169,21 @@ def test_only_the_newest_operation_is_resumed(front: dict[str, Any]) -> None:
         "SELECT count(*) FROM steps WHERE kind = 'watch' AND phase = 'started' AND cutover_id ="
         " (SELECT id FROM cutovers WHERE state = 'running' ORDER BY rowid DESC LIMIT 1)"
     )
-    _kill_when(canary, db, done_50, 1)
+    kill_when(canary, db, done_50, 1)
     assert weights(front["include"]) == {"baseline": 50, "candidate": 50}
     # The rollback, killed once its router write is journaled as started.
     started = (
         "SELECT count(*) FROM steps WHERE kind = 'rollback-set-weights' AND phase = 'started'"
         " AND cutover_id = (SELECT id FROM cutovers ORDER BY rowid DESC LIMIT 1)"
     )
-    _kill_when(["rollback", "--yes", "-i", inv], db, started, 1)
+    kill_when(["rollback", "--yes", "-i", inv], db, started, 1)
     resumed = kdctl("cutover", "--resume", "--yes", "-i", inv)
     assert resumed.code == 1, resumed.out + resumed.err  # the cutover ends rolled back
     assert "rolled_back" in resumed.out and weights(front["include"]) == {"baseline": 100}
 
     # Killed at 50/50 again. Had it started with every criterion met (unforced), a resume
     # assesses the candidate again and, its criteria unmet now, changes nothing.
-    _kill_when(canary, db, done_50, 1)
+    kill_when(canary, db, done_50, 1)
     import sqlite3
 
     conn = sqlite3.connect(db)
@@ -350,7 +348,9 @@ def test_a_canary_between_engines_that_require_a_key(
     key = "sk-canary-test-41d2"
     monkeypatch.setenv("KDCTL_TEST_ENGINE_KEY", key)
     engines = [serve_reference(models["dsv3"], api_key=key) for _ in range(2)]
-    setup = _front(tmp_path, need_nginx, *engines, api_key_env="KDCTL_TEST_ENGINE_KEY")
+    setup = nginx_front(
+        tmp_path, need_nginx, engines[0].url, engines[1].url, api_key_env="KDCTL_TEST_ENGINE_KEY"
+    )
     try:
         front = next(setup)
         inv = str(front["inv"])

@@ -16,7 +16,7 @@ from kdctl.backends import GenerateRequest, make_backend, vllm_argv, wait_http
 from kdctl.errors import InfraError
 from kdctl.inventory import BackendSpec
 from tests.conftest import kdctl, need_engine, write_inventory
-from tests.support.nginx import start_nginx, stop_nginx
+from tests.support.nginx import kdctl_front, router_entry
 from tests.support.sshd import free_port
 
 VLLM_PYTHON = Path(
@@ -340,14 +340,8 @@ def test_a_canary_between_two_vllm_engines_behind_nginx(
     """Two OpenAI-kind engines behind nginx, vLLM without drafting serving and vLLM drafting
     as the candidate: the canary's probes speak the OpenAI API through the front, as the
     engines' clients do, so the cutover is judged on what the engines serve."""
-    from kdctl.inventory import load_inventory
-    from kdctl.traffic.nginx import NginxRouter
-    from kdctl.transports import TransportPool
-
-    port = free_port()
     root = tmp_path / "nginx"
     root.mkdir()
-    include = root / "kdctl.conf"
     roadmap = {
         "title": "vLLM to vLLM with drafting",
         "serving": "baseline",
@@ -363,27 +357,12 @@ def test_a_canary_between_two_vllm_engines_behind_nginx(
                 "baseline": {"kind": "openai", "host": "local", "url": vllm},
                 "candidate": {"kind": "openai", "host": "local", "url": vllm_ngram},
             },
-            "router": {
-                "kind": "nginx",
-                "host": "local",
-                "listen": f"127.0.0.1:{port}",
-                "serving": "baseline",
-                "include": str(include),
-                "nginx": need_nginx,
-                "prefix": str(root),
-                "conf": str(root / "nginx.conf"),
-            },
+            "router": router_entry(need_nginx, root, free_port()),
             "roadmap": "roadmap.yaml",
             "state_dir": "state",
         },
     )
-    loaded = load_inventory(inv)
-    with TransportPool(loaded) as pool:
-        router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
-        include.write_text(router.render({"baseline": 100}))
-    pidfile = start_nginx(root, f"  include {include};", [port])
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health")
+    with kdctl_front(inv, {"baseline": 100}):
         ran = kdctl("phases", "--run", "-i", str(inv), "--json")
         assert ran.code == 0, ran.out + ran.err
         args = ("--strategy", "canary", "--steps", "50,100", "--watch", "2", "--yes")
@@ -402,7 +381,5 @@ def test_a_canary_between_two_vllm_engines_behind_nginx(
         assert (serving["state"], serving["backend"]) == ("serving", "candidate"), serving
         back = kdctl("rollback", "--yes", "-i", str(inv))
         assert back.code == 0, back.out + back.err
-    finally:
-        stop_nginx(pidfile)
     sent = sum(w["sent"] for w in watches)
     report(f"canary vLLM -> vLLM (drafting) through nginx: {sent} OpenAI probe requests, 0 failed")

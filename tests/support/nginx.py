@@ -8,7 +8,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
@@ -59,3 +62,44 @@ def stop_nginx(pidfile: Path) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.02)
+
+
+def router_entry(nginx: str, root: Path, port: int, serving: str = "baseline") -> dict[str, Any]:
+    """An inventory's `router:` for kdctl's nginx under its own prefix `root`, on loopback."""
+    return {
+        "kind": "nginx",
+        "host": "local",
+        "listen": f"127.0.0.1:{port}",
+        "serving": serving,
+        "include": str(root / "kdctl.conf"),
+        "nginx": nginx,
+        "prefix": str(root),
+        "conf": str(root / "nginx.conf"),
+    }
+
+
+@contextmanager
+def kdctl_front(inv_path: Path, weights: dict[str, int], *, wait: bool = True) -> Iterator[str]:
+    """nginx running kdctl's own configuration of the inventory's router (`router_entry`),
+    rendered for `weights`; its URL, answering /health where `wait`; stopped on the way out."""
+    from kdctl.backends import wait_http
+    from kdctl.inventory import load_inventory
+    from kdctl.traffic.nginx import NginxRouter
+    from kdctl.transports import TransportPool
+
+    inv = load_inventory(inv_path)
+    spec = inv.spec.router
+    assert spec is not None and spec.prefix is not None
+    include = Path(spec.include)
+    with TransportPool(inv) as pool:
+        router = NginxRouter(inv, spec, pool.get(spec.host))  # type: ignore[arg-type]
+        include.write_text(router.render(weights))
+    port = int(spec.listen.rpartition(":")[2])
+    pidfile = start_nginx(Path(spec.prefix), f"  include {include};", [port])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if wait:
+            wait_http(url + "/health")
+        yield url
+    finally:
+        stop_nginx(pidfile)

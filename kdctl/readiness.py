@@ -29,14 +29,13 @@ from kdctl.checks import (
     with_settings,
 )
 from kdctl.errors import InputError
-from kdctl.evidence import EvidenceStore, age_text, currency, shared_url
+from kdctl.evidence import EvidenceStore, FrontNow, age_text, currency, shared_url
 from kdctl.inventory import LoadedInventory, SystemdService
 from kdctl.probes import ServiceState
 from kdctl.recording import run_gates
 from kdctl.roadmap import (
     CriterionStatus,
     Estimate,
-    FrontNow,
     PhaseReport,
     PhaseStatus,
     Roadmap,

@@ -6,7 +6,6 @@ from kdctl.roadmap._estimate import Estimate
 from kdctl.roadmap._evaluate import (
     CriterionStatus,
     Crossing,
-    FrontNow,
     Measured,
     PhaseReport,
     PhaseStatus,
@@ -30,7 +29,6 @@ __all__ = [
     "CriterionStatus",
     "Crossing",
     "Estimate",
-    "FrontNow",
     "Measured",
     "Phase",
     "PhaseReport",

@@ -20,7 +20,7 @@ from kdctl.checks import (
     gate_settings,
     with_settings,
 )
-from kdctl.evidence import EvidenceStore, age_text, currency
+from kdctl.evidence import EvidenceStore, FrontNow, age_text, currency
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
 from kdctl.records import GateResult, Metric, utcnow
@@ -124,33 +124,6 @@ class PhaseReport(BaseModel):
     @property
     def remaining(self) -> list[PhaseStatus]:
         return [p for p in self.phases if p.status != "done"]
-
-
-@dataclass(frozen=True)
-class FrontNow:
-    """What a request through the router's front just found: whether an engine's answer came
-    back, the engine that answered (None where the router names none), the weights the router
-    reads back, and what was seen."""
-
-    answered: bool | None
-    backend: str | None
-    weights: dict[str, int]
-    detail: str
-
-    def promoted(self, backend: str) -> str | None:
-        """Why a recorded promotion of `backend` does not hold now; None when it does."""
-        if self.answered is not True:
-            now = "serves nothing" if self.answered is False else "cannot be asked from here"
-            return f"the front {now} ({self.detail}): all traffic on {backend} is not seen"
-        if self.backend == backend and self.weights in ({}, {backend: 100}):
-            return None
-        if self.backend is None and self.weights == {backend: 100}:
-            return None
-        who = self.backend or "no engine it names"
-        return (
-            f"the front answers from {who} now, the router sending {self.weights or 'unknown'} "
-            f"({self.detail}): all traffic on {backend} no longer holds"
-        )
 
 
 def evaluate(
@@ -606,15 +579,11 @@ def _criterion(
         baseline=baseline_now.provenance if baseline_now else None,
         ways=[with_settings(inv, c.gate, c.spec.settings)],
         settings_matched=True,  # chosen by the settings it pins
+        front=front,
         now=now,
         memo=memo,
     )
     fresh_ok, why, stale_by = f.fresh, f.reason, f.changed
-    if fresh_ok and front is not None and c.gate == "promotion" and result.verdict == "pass":
-        # A promotion says what the router did then; the front says what it does now.
-        moved = front.promoted(c.backend)
-        if moved is not None:
-            fresh_ok, why, stale_by = False, f"stale: {moved}", ("front",)
     if not fresh_ok:
         return CriterionStatus(
             **base,

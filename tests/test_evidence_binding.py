@@ -152,7 +152,7 @@ def test_a_promotion_holds_only_while_the_front_answers_from_it() -> None:
     """What the front answered just now against a recorded promotion of native: an answer from
     it with all traffic on it holds (also from a router that names no engine per answer);
     another engine answering, a split, a front that serves nothing or cannot be asked do not."""
-    from kdctl.roadmap import FrontNow
+    from kdctl.evidence import FrontNow
 
     def front(answered: bool | None, backend: str | None, weights: dict[str, int]) -> FrontNow:
         return FrontNow(answered=answered, backend=backend, weights=weights, detail="seen")

@@ -5,6 +5,7 @@ import os
 
 from kdctl.evidence._freshness import (
     Freshness,
+    FrontNow,
     age_text,
     baseline_gaps,
     baseline_window,
@@ -75,6 +76,7 @@ __all__ = [
     "EvidenceFile",
     "EvidenceStore",
     "Freshness",
+    "FrontNow",
     "Imported",
     "Migrated",
     "PostgresStore",

@@ -147,6 +147,33 @@ def freshness(
     return Freshness(True, f"fresh: {age_text(age)} old, window {age_text(window)}", age)
 
 
+@dataclass(frozen=True)
+class FrontNow:
+    """What a request through the router's front just found: whether an engine's answer came
+    back, the engine that answered (None where the router names none), the weights the router
+    reads back, and what was seen."""
+
+    answered: bool | None
+    backend: str | None
+    weights: dict[str, int]
+    detail: str
+
+    def promoted(self, backend: str) -> str | None:
+        """Why a recorded promotion of `backend` does not hold now; None when it does."""
+        if self.answered is not True:
+            now = "serves nothing" if self.answered is False else "cannot be asked from here"
+            return f"the front {now} ({self.detail}): all traffic on {backend} is not seen"
+        if self.backend == backend and self.weights in ({}, {backend: 100}):
+            return None
+        if self.backend is None and self.weights == {backend: 100}:
+            return None
+        who = self.backend or "no engine it names"
+        return (
+            f"the front answers from {who} now, the router sending {self.weights or 'unknown'} "
+            f"({self.detail}): all traffic on {backend} no longer holds"
+        )
+
+
 def currency(
     result: GateResult,
     *,
@@ -156,6 +183,7 @@ def currency(
     ways: Sequence[LoadedInventory],
     baseline: Provenance | None = None,
     settings_matched: bool = False,
+    front: FrontNow | None = None,
     now: datetime | None = None,
     memo: Workloads | None = None,
 ) -> Freshness:
@@ -167,7 +195,8 @@ def currency(
     gate would make now under one of `ways` (the inventory's settings, or a roadmap
     criterion's): the same settings, unless the caller chose the result by them
     (`settings_matched`), and the same workload, since a prompt file edited in place keeps its
-    name in the settings."""
+    name in the settings. A passed promotion says what the router did then: it holds while
+    `front`, what a request through the router's front found just now, still agrees."""
     now = now or utcnow()
     if current is None:
         return Freshness(
@@ -176,13 +205,17 @@ def currency(
     if baseline is not None:
         current = current.with_baseline(baseline)
     f = freshness(result, window=window, current=current, now=now, live=live)
-    if not f.fresh or not ways:
+    if not f.fresh:
         return f
     check = workload_changed if settings_matched else measured_otherwise
     whys = [check(way, result, memo) for way in ways]
-    if None in whys:
-        return f
-    return Freshness(False, f"stale: {whys[0]}", f.age, ("workload",))
+    if whys and None not in whys:
+        return Freshness(False, f"stale: {whys[0]}", f.age, ("workload",))
+    if front is not None and result.gate == "promotion" and result.verdict == "pass":
+        moved = front.promoted(result.backend)
+        if moved is not None:
+            return Freshness(False, f"stale: {moved}", f.age, ("front",))
+    return f
 
 
 def baseline_window(inv: LoadedInventory, kind: BaselineKind) -> tuple[timedelta, str] | None:

@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 from typing import Any
 
+from kdctl._plugins import load_plugin
 from kdctl.backends._base import Backend
 from kdctl.backends.native import NativeBackend, NativeCommandBackend
 from kdctl.backends.openai import OpenAIBackend
 from kdctl.backends.reference.backend import ReferenceBackend
 from kdctl.backends.sglang import SGLangBackend
 from kdctl.errors import InputError
-from kdctl.inventory import BackendSpec
+from kdctl.inventory import BackendSpec, backend_kinds
 
 # The reference kind's class imports no torch: that is loaded when its engine starts, and a
 # missing extra is reported then, by name.
@@ -26,15 +26,10 @@ _BUILTIN: dict[str, type[Backend]] = {
 
 def backend_class(kind: str) -> type[Backend]:
     """The class for a kind: built in, or registered under the `kdctl.backends` entry points."""
-    if kind in _BUILTIN:
-        return _BUILTIN[kind]
-    for ep in entry_points(group="kdctl.backends"):
-        if ep.name == kind:
-            cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, Backend)):
-                raise InputError(f"entry point kdctl.backends:{kind} is not a Backend class")
-            return cls
-    raise InputError(f"unknown backend kind {kind!r}")
+    cls = _BUILTIN.get(kind) or load_plugin("kdctl.backends", kind, Backend)  # type: ignore[type-abstract]
+    if cls is None:
+        raise InputError(f"unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
+    return cls
 
 
 def make_backend(name: str, spec: BackendSpec, **kwargs: Any) -> Backend:

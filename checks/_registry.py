@@ -8,9 +8,9 @@ import functools
 import json
 from dataclasses import replace
 from datetime import timedelta
-from importlib.metadata import entry_points
 from typing import Any
 
+from kdctl._plugins import load_plugin, plugged
 from kdctl.checks._base import Gate
 from kdctl.checks.api_conformance import ApiConformanceGate
 from kdctl.checks.command import CommandGate
@@ -46,13 +46,12 @@ def gates() -> dict[str, type[Gate]]:
 
 @functools.cache
 def _known() -> dict[str, type[Gate]]:
-    # Read once a process: the installed distributions do not change under a command, and
-    # scanning their metadata costs milliseconds each of the dozens of times a status asks.
     found = _builtin()
-    for ep in entry_points(group="kdctl.checks"):
-        cls = ep.load()
-        if isinstance(cls, type) and issubclass(cls, Gate):
-            found.setdefault(ep.name, cls)
+    for name in plugged("kdctl.checks"):
+        if name not in found:
+            cls = load_plugin("kdctl.checks", name, Gate)  # type: ignore[type-abstract]
+            assert cls is not None
+            found[name] = cls
     return found
 
 

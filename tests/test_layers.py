@@ -10,7 +10,14 @@ from tests.conftest import REPO
 
 # Lowest first. A module may import its own layer and the ones before it.
 LAYERS: list[tuple[str, ...]] = [
-    ("kdctl", "kdctl.errors", "kdctl._limits", "kdctl._redact", "kdctl._statefile"),
+    (
+        "kdctl",
+        "kdctl.errors",
+        "kdctl._limits",
+        "kdctl._redact",
+        "kdctl._statefile",
+        "kdctl._plugins",
+    ),
     ("kdctl.inventory",),
     # What a gate decides and evidence keeps: GateResult, Baseline, Metric, Provenance.
     ("kdctl.records",),

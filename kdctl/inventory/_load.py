@@ -11,13 +11,13 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from kdctl import _redact as redact
+from kdctl._plugins import plugged
 from kdctl.errors import InputError
 from kdctl.inventory._yaml import Document, read_mapping
 from kdctl.inventory.models import (
@@ -97,14 +97,12 @@ class LoadedInventory:
 
 def backend_kinds() -> list[str]:
     """Built-in kinds and those other distributions register under `kdctl.backends`."""
-    plugged = [ep.name for ep in entry_points(group="kdctl.backends")]
-    return sorted(set(BUILTIN_BACKEND_KINDS) | set(plugged))
+    return sorted(set(BUILTIN_BACKEND_KINDS) | set(plugged("kdctl.backends")))
 
 
 def router_kinds() -> list[str]:
     """Built-in router drivers and those other distributions register under `kdctl.routers`."""
-    plugged = [ep.name for ep in entry_points(group="kdctl.routers")]
-    return sorted(set(BUILTIN_ROUTER_KINDS) | set(plugged))
+    return sorted(set(BUILTIN_ROUTER_KINDS) | set(plugged("kdctl.routers")))
 
 
 def resolve_inventory_path(option: str | Path | None) -> Path:

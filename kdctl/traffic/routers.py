@@ -4,9 +4,7 @@ host's transport."""
 
 from __future__ import annotations
 
-import functools
-from importlib.metadata import entry_points
-
+from kdctl._plugins import load_plugin
 from kdctl.errors import InputError
 from kdctl.inventory import LoadedInventory, router_kinds
 from kdctl.traffic._router import Router
@@ -17,18 +15,12 @@ from kdctl.transports import TransportPool
 _BUILTIN: dict[str, type[Router]] = {"nginx": NginxRouter, "sglang-router": SGLangRouter}
 
 
-@functools.cache
 def router_class(kind: str) -> type[Router]:
     """The driver registered as `kind`; InputError naming the known ones for any other."""
-    if kind in _BUILTIN:
-        return _BUILTIN[kind]
-    for ep in entry_points(group="kdctl.routers"):
-        if ep.name == kind:
-            cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, Router)):
-                raise InputError(f"router kind {kind!r}: {ep.value} is not a kdctl Router")
-            return cls
-    raise InputError(f"unknown router kind {kind!r} (known: {', '.join(router_kinds())})")
+    cls = _BUILTIN.get(kind) or load_plugin("kdctl.routers", kind, Router)  # type: ignore[type-abstract]
+    if cls is None:
+        raise InputError(f"unknown router kind {kind!r} (known: {', '.join(router_kinds())})")
+    return cls
 
 
 def make_router(inv: LoadedInventory, pool: TransportPool) -> Router:

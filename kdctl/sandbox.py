@@ -25,7 +25,7 @@ from kdctl.backends.reference import batch_argv, serve_argv
 from kdctl.checks import with_settings
 from kdctl.errors import InfraError, InputError
 from kdctl.evidence import DB_NAME, EvidenceStore, SqliteStore, open_store
-from kdctl.inventory import LoadedInventory, load_inventory
+from kdctl.inventory import LoadedInventory, NginxRouterSpec, load_inventory
 from kdctl.recording import run_gates
 from kdctl.records import GateResult, utcnow
 from kdctl.roadmap import load_roadmap, roadmap_path
@@ -259,7 +259,7 @@ def _start_router(inv: LoadedInventory, root: Path, router: str, pool: Transport
         conf.write_text(_nginx_main(root))
         if _alive(_pid(pidfile)):
             return
-        nginx = inv.spec.router.nginx if inv.spec.router else "nginx"
+        nginx = inv.spec.router.nginx if isinstance(inv.spec.router, NginxRouterSpec) else "nginx"
         run = subprocess.run(
             [nginx, "-p", str(root / "nginx"), "-c", str(conf)], capture_output=True, text=True
         )

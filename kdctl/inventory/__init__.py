@@ -23,7 +23,9 @@ from kdctl.inventory.models import (
     GateSettings,
     HostSpec,
     Inventory,
+    NginxRouterSpec,
     RouterSpec,
+    SGLangRouterSpec,
     SystemdService,
 )
 
@@ -37,7 +39,9 @@ __all__ = [
     "HostSpec",
     "Inventory",
     "LoadedInventory",
+    "NginxRouterSpec",
     "RouterSpec",
+    "SGLangRouterSpec",
     "SystemdService",
     "backend_kinds",
     "format_problems",

@@ -352,9 +352,6 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
                 ("router", "kind"),
                 (f"unknown router kind {spec.router.kind!r} (known: {', '.join(known)})"),
             )
-        elif spec.router.kind != "nginx":
-            for name in sorted(set(NGINX_ONLY_FIELDS) & spec.router.model_fields_set):
-                yield ("router", name), f"only an nginx router has {name!r}"
         if spec.router.host not in hosts:
             yield ("router", "host"), unknown_name("host", spec.router.host, hosts)
         if spec.router.serving not in spec.backends:
@@ -408,6 +405,8 @@ def pydantic_problems(
         if kind in bounds:
             limit = next(iter(ctx.values()))
             msg = f"must be {bounds[kind]} {limit} (got {err['input']!r})"
+        elif kind == "extra_forbidden" and loc[:1] == ("router",) and loc[-1] in NGINX_ONLY_FIELDS:
+            msg = f"only an nginx router has {loc[-1]!r}"
         elif kind == "extra_forbidden":
             msg = "unknown field"
             fields = _fields_at(root, loc[:-1])

@@ -37,8 +37,6 @@ _UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]+\.(service|socket|target|timer|mount|sco
 BUILTIN_BACKEND_KINDS = ("sglang", "openai", "native", "reference")
 # Router drivers kdctl ships (kdctl.traffic.routers); others register under `kdctl.routers`.
 BUILTIN_ROUTER_KINDS = ("nginx", "sglang-router")
-# What only nginx's driver reads: on another router these would be silently ignored.
-NGINX_ONLY_FIELDS = ("include", "nginx", "prefix", "conf", "keepalive")
 
 
 def _name(value: str) -> str:
@@ -253,7 +251,15 @@ Service = Annotated[
     ),
 ]
 # Union tags pydantic puts in an error's location; a person names the field without them.
-UNION_TAGS = ("systemd-unit", "command-line", "literal", "from-env")
+UNION_TAGS = (
+    "systemd-unit",
+    "command-line",
+    "literal",
+    "from-env",
+    "router:nginx",
+    "router:sglang-router",
+    "router:plugin",
+)
 
 
 class BackendSpec(_Model):
@@ -288,25 +294,18 @@ class BackendSpec(_Model):
 
 
 class RouterSpec(_Model):
+    """What every router driver takes; a driver with settings of its own has a spec of its own
+    below (one another distribution registers takes these)."""
+
     # A driver's name: nginx, sglang-router, or one another distribution registers.
     kind: str
     host: Name
     listen: Annotated[str, AfterValidator(_listen)]
     serving: Name
-    # nginx: the file kdctl owns (upstream, map, server), included at http level by the main
-    # configuration; the previous version is kept beside it as FILE.prev.
-    include: HostPath = "/etc/nginx/conf.d/kdctl.conf"
-    # nginx: the binary, and its -p prefix and -c configuration when they are not the default.
-    nginx: Annotated[str, AfterValidator(_absolute_or_name)] = "nginx"
-    prefix: HostPath | None = None
-    conf: HostPath | None = None
     # The key the front door itself requires (a gateway with its own auth); unset, kdctl sends
     # the key of the backend the router weights most, which nginx passes through.
     api_key_env: EnvVar | None = None
     api_key_file: Path | None = None
-    # Client connections are not kept alive through the front: a request sent on an idle
-    # kept-alive connection as a reload closes it fails (6 in 625 measured; 0 without).
-    keepalive: bool = False
 
     def front_url(self, host: HostSpec) -> str:
         """Where clients reach the router: its listen address, a wildcard one taken as its
@@ -316,6 +315,44 @@ class RouterSpec(_Model):
         if address in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on
             address = "127.0.0.1" if host.transport == "local" else (host.address or "127.0.0.1")
         return f"http://{address}:{port}"
+
+
+class NginxRouterSpec(RouterSpec):
+    kind: Literal["nginx"] = "nginx"
+    # The file kdctl owns (upstream, map, server), included at http level by the main
+    # configuration; the previous version is kept beside it as FILE.prev.
+    include: HostPath = "/etc/nginx/conf.d/kdctl.conf"
+    # The binary, and its -p prefix and -c configuration when they are not the default.
+    nginx: Annotated[str, AfterValidator(_absolute_or_name)] = "nginx"
+    prefix: HostPath | None = None
+    conf: HostPath | None = None
+    # Client connections are not kept alive through the front: a request sent on an idle
+    # kept-alive connection as a reload closes it fails (6 in 625 measured; 0 without).
+    keepalive: bool = False
+
+
+# What only nginx's driver reads: on another router each is refused, never silently ignored.
+NGINX_ONLY_FIELDS = tuple(
+    f for f in NginxRouterSpec.model_fields if f not in RouterSpec.model_fields
+)
+
+
+class SGLangRouterSpec(RouterSpec):
+    kind: Literal["sglang-router"] = "sglang-router"
+
+
+def _router_tag(value: Any) -> str:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return f"router:{kind}" if kind in BUILTIN_ROUTER_KINDS else "router:plugin"
+
+
+# The router's spec by its kind: nginx's fields belong to nginx alone.
+AnyRouterSpec = Annotated[
+    Annotated[NginxRouterSpec, Tag("router:nginx")]
+    | Annotated[SGLangRouterSpec, Tag("router:sglang-router")]
+    | Annotated[RouterSpec, Tag("router:plugin")],
+    Discriminator(_router_tag),
+]
 
 
 class ThroughputWorkload(_Model):
@@ -527,7 +564,7 @@ class EvidenceSettings(_Model):
 class Inventory(_Model):
     hosts: dict[Name, HostSpec]
     backends: dict[Name, BackendSpec] = Field(default_factory=dict)
-    router: RouterSpec | None = None
+    router: AnyRouterSpec | None = None
     gates: GateSettings = GateSettings()
     roadmap: Path | None = None
     evidence: EvidenceSettings = EvidenceSettings()

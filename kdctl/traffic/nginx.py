@@ -19,7 +19,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from kdctl._httpclient import http_client
 from kdctl.errors import InputError, KdctlError
-from kdctl.inventory import LoadedInventory
+from kdctl.inventory import LoadedInventory, NginxRouterSpec, RouterSpec
 from kdctl.traffic._router import (
     BACKEND_HEADER,
     Capabilities,
@@ -28,6 +28,7 @@ from kdctl.traffic._router import (
     RouterState,
     check_weights,
 )
+from kdctl.transports import Transport
 
 # What may reach the file: every value is checked against these before rendering, so no
 # inventory value can close a directive and open another.
@@ -61,6 +62,12 @@ class NginxRouter(Router):
     capabilities: ClassVar[Capabilities] = Capabilities(
         weights=True, blue_green=True, read_back=True, drain=True
     )
+    spec: NginxRouterSpec
+
+    def __init__(self, inv: LoadedInventory, spec: RouterSpec, transport: Transport) -> None:
+        if not isinstance(spec, NginxRouterSpec):
+            raise InputError(f"router kind {spec.kind!r}: the nginx driver takes nginx's spec")
+        super().__init__(inv, spec, transport)
 
     def _nginx(self, *args: str) -> list[str]:
         argv = [self.spec.nginx]

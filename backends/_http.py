@@ -23,7 +23,13 @@ from kdctl.backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
-from kdctl.backends.health import HEALTH_TIMEOUT_S, HealthResult, bearer, probe_health
+from kdctl.backends.health import (
+    HEALTH_TIMEOUT_S,
+    HealthResult,
+    bearer,
+    connect_refused,
+    probe_health,
+)
 from kdctl.errors import InputError
 
 # One engine answer (a batch of generations with top-k logprobs): far below this.
@@ -58,11 +64,9 @@ class HttpSession:
     def _fail(self, path: str, exc: Exception) -> BackendError:
         url = self.url(path)
         if isinstance(exc, httpx.ConnectError):
-            # Refused means the host said no one listens; anything else (a name that does not
-            # resolve, no route) says only that it cannot be reached from here.
-            refused = "refused" in str(exc).lower()
+            refused = connect_refused(exc)
             why = "connection refused" if refused else f"host unreachable: {exc}"
-            return BackendUnavailable(self.backend, url, why)
+            return BackendUnavailable(self.backend, url, why, refused=refused)
         if isinstance(exc, httpx.TimeoutException):
             return BackendTimeout(self.backend, url, f"no answer within {self.timeout:g}s")
         return BackendProtocolError(self.backend, url, f"{type(exc).__name__}: {exc}")
@@ -82,7 +86,12 @@ class HttpSession:
             )
         said = error_message(body)[:300]
         if resp.status_code == 503:
-            raise BackendNotReady(self.backend, url, f"not ready yet (HTTP 503) {said}".strip())
+            raise BackendNotReady(
+                self.backend,
+                url,
+                f"not ready yet (HTTP 503) {said}".strip(),
+                draining="draining" in said.lower(),
+            )
         raise BackendHTTPError(self.backend, url, resp.status_code, said)
 
     def deadline(self) -> float:

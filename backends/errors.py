@@ -13,11 +13,20 @@ class BackendError(InfraError):
 
 
 class BackendUnavailable(BackendError):
-    """Nothing answers at the URL: connection refused, host unreachable."""
+    """Nothing answers at the URL: connection refused (`refused`), host unreachable."""
+
+    def __init__(self, backend: str, url: str, message: str, *, refused: bool = False) -> None:
+        super().__init__(backend, url, message)
+        self.refused = refused
 
 
 class BackendNotReady(BackendError):
-    """The engine answers 503: starting (SGLang does so until warm-up ends) or draining."""
+    """The engine answers 503: starting (SGLang does so until warm-up ends) or draining (a
+    front that says so while engines swap)."""
+
+    def __init__(self, backend: str, url: str, message: str, *, draining: bool = False) -> None:
+        super().__init__(backend, url, message)
+        self.draining = draining
 
 
 class BackendTimeout(BackendError):

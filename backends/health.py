@@ -15,11 +15,23 @@ from kdctl.errors import InfraError
 BackendState = Literal["up", "starting", "down", "unknown"]
 
 
+# Why nothing answered, for code to branch on (the detail says it in words).
+Failure = Literal["refused", "unreachable", "timeout"]
+
+
 class HealthResult(BaseModel):
     state: BackendState
     latency_ms: float | None = None
     status_code: int | None = None
     detail: str | None = None
+    failure: Failure | None = None
+
+
+def connect_refused(exc: httpx.ConnectError) -> bool:
+    """Refused: the host said no one listens; any other failure to connect (a name that does
+    not resolve, no route) says only that it cannot be reached from here. httpx says which
+    only in the words of the OS's error."""
+    return "refused" in str(exc).lower()
 
 
 def bearer(api_key: SecretStr | None) -> dict[str, str]:
@@ -56,10 +68,13 @@ def probe_health(
         with client.stream("GET", f"{url}{path}", headers=headers, timeout=timeout) as resp:
             code = resp.status_code
     except httpx.ConnectError as exc:
-        reason = "connection refused" if "refused" in str(exc).lower() else f"unreachable: {exc}"
-        return HealthResult(state="down", detail=reason)
+        if connect_refused(exc):
+            return HealthResult(state="down", detail="connection refused", failure="refused")
+        return HealthResult(state="down", detail=f"unreachable: {exc}", failure="unreachable")
     except httpx.TimeoutException:
-        return HealthResult(state="unknown", detail=f"no answer within {timeout:g}s")
+        return HealthResult(
+            state="unknown", detail=f"no answer within {timeout:g}s", failure="timeout"
+        )
     except httpx.HTTPError as exc:
         return HealthResult(state="unknown", detail=f"{type(exc).__name__}: {exc}")
     latency = round((time.monotonic() - started) * 1000, 2)

@@ -25,7 +25,7 @@ from kdctl.backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
-from kdctl.backends.health import BackendState
+from kdctl.backends.health import BackendState, Failure
 from kdctl.errors import KdctlError
 from kdctl.evidence import shared_url
 from kdctl.inventory import LoadedInventory
@@ -68,6 +68,8 @@ class FrontAnswer(BaseModel):
     status_code: int | None = None
     latency_ms: float | None = None
     detail: str
+    # Why nothing answered, where nothing did: refused, unreachable or timeout.
+    failure: Failure | None = None
     # How the request travelled where it went through SSH ("reached through SSH to box").
     reached: str | None = None
 
@@ -268,7 +270,7 @@ def _front_reach(s: Session, front: FrontAnswer, host: str, timeout_s: float) ->
     front = front.model_copy(update={"reached": way.note if way is not None else None})
     if front.answered is not False or front.status_code is not None:
         return front
-    timed_out = front.detail.startswith("did not answer")
+    timed_out = front.failure == "timeout"
     failure = f"no answer within {timeout_s:g}s" if timed_out else "connection refused"
     why = _out_of_reach(
         s, front.url, host, failure, timed_out=timed_out, service=None, timeout_s=timeout_s
@@ -330,10 +332,10 @@ def _health_instead(
     if h.state == "up":
         return None
     if h.state == "down":
-        return BackendUnavailable("front", url, h.detail or "")
+        return BackendUnavailable("front", url, h.detail or "", refused=h.failure == "refused")
     if h.status_code:
         return BackendHTTPError("front", url, h.status_code, h.detail or "")
-    if "no answer" in (h.detail or ""):
+    if h.failure == "timeout":
         return BackendTimeout("front", url, h.detail or "")
     return refused
 
@@ -399,15 +401,29 @@ def _ask_front(
             detail=f"answered {route} in {latency:.0f} ms",
         )
     if isinstance(error, BackendUnavailable):
-        if "refused" in str(error):
-            return FrontAnswer(url=url, route=route, answered=False, detail="refuses connections")
+        if error.refused:
+            return FrontAnswer(
+                url=url,
+                route=route,
+                answered=False,
+                detail="refuses connections",
+                failure="refused",
+            )
         # From here the router cannot be reached at all: whether it serves others is unknown.
         return FrontAnswer(
-            url=url, route=route, answered=None, detail=f"cannot be reached from here ({error})"
+            url=url,
+            route=route,
+            answered=None,
+            detail=f"cannot be reached from here ({error})",
+            failure="unreachable",
         )
     if isinstance(error, BackendTimeout):
         return FrontAnswer(
-            url=url, route=route, answered=False, detail=f"did not answer within {timeout_s:g}s"
+            url=url,
+            route=route,
+            answered=False,
+            detail=f"did not answer within {timeout_s:g}s",
+            failure="timeout",
         )
     if isinstance(error, BackendAuthError):
         return FrontAnswer(
@@ -420,7 +436,7 @@ def _ask_front(
         )
     if isinstance(error, BackendNotReady) or code is not None:
         # The error carries the start of the body, where a drain says so.
-        draining = "draining" in str(error)
+        draining = isinstance(error, BackendNotReady) and error.draining
         why = (
             "is draining (503 with Retry-After while engines swap)"
             if draining

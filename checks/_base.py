@@ -70,6 +70,10 @@ class Gate(abc.ABC):
     # The field of the inventory's `gates:` that tunes it, if any; a roadmap criterion may
     # override it, and each result records the settings it ran with.
     settings_field: ClassVar[str | None] = None
+    # Whether its results describe the engine itself, as it said it was (build, model, TP,
+    # settings), or only a host, a command or a person's word: a pass of a gate that asks the
+    # engine owes every field of the engine's that the engine reports now.
+    asks_engine: ClassVar[bool] = True
 
     @abc.abstractmethod
     def run(self, ctx: GateContext, backend: str, baseline: str | None) -> GateResult: ...

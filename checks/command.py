@@ -76,6 +76,7 @@ def judge_check(
 
 class CommandGate(Gate):
     name = "command"
+    asks_engine = False
     settings_field = "commands"
     description = "programs on the backend's host that print JSON metrics, judged by thresholds"
 

@@ -20,6 +20,7 @@ from kdctl.records import GateResult, Metric, Verdict, utcnow
 
 class PromotionGate(Gate):
     name = "promotion"
+    asks_engine = False
     description = "all traffic on the backend after a cutover (recorded by kdctl cutover)"
     runnable: ClassVar[bool] = False
     # It stays true until a rollback says otherwise; a month bounds how long it is taken on trust.

@@ -16,6 +16,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 class SignOffGate(Gate):
     name = "sign-off"
+    asks_engine = False
     freshness_window = timedelta(days=30)
     description = "a named person's approval with a note (kdctl signoff)"
     runnable: ClassVar[bool] = False

@@ -294,6 +294,7 @@ class _ProbeFailed(Exception):
 
 class TpHealthGate(Gate):
     name = "tp-health"
+    asks_engine = False
     settings_field = "tp_health"
     freshness_window = timedelta(hours=24)
     description = "GPU rules, Xids, topology, an all-reduce across the TP ranks, engine memory"

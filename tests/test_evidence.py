@@ -220,11 +220,42 @@ def test_a_result_holds_only_under_the_engine_settings_it_was_measured_with() ->
     # (the OpenAI API has no such route) holds a result to none.
     host_only = PROV.model_copy(update={"engine_version": None})
     assert freshness(
-        result().model_copy(update={"provenance": host_only}),
+        result(gate="tp-health").model_copy(update={"provenance": host_only}),
         window=hour,
         current=drafting.model_copy(update={"engine_version": None}),
     ).fresh
     assert freshness(result(), window=hour, current=PROV).fresh
+
+
+def test_nothing_null_in_a_pass_passes_as_a_match() -> None:
+    """A pass whose record lacks any field of what it measured (the engine's build, model,
+    configuration, TP size, host, GPUs, the baseline's build), where what runs now has it,
+    cannot say it measured what runs: stale, naming the field. A failure is not held to them
+    (it claims nothing), nor is a gate that asks no engine held to the engine's fields."""
+    hour = timedelta(hours=1)
+    now = PROV.with_baseline(PROV)
+    whole = result().model_copy(update={"provenance": now})
+    assert freshness(whole, window=hour, current=now).fresh
+    for field, empty in (
+        ("engine_version", None),
+        ("model_path", None),
+        ("config_hash", None),
+        ("tp_size", None),
+        ("host", None),
+        ("gpus", []),
+        ("baseline_engine_version", None),
+    ):
+        stripped = now.model_copy(update={field: empty})
+        passed = whole.model_copy(update={"provenance": stripped})
+        said = freshness(passed, window=hour, current=now)
+        assert not said.fresh and said.changed == (field,), (field, said)
+        assert f"{field}: recorded without" in said.reason, said.reason
+        failed = passed.model_copy(update={"verdict": "fail"})
+        assert freshness(failed, window=hour, current=now).fresh, field
+    host_gate = result(gate="tp-health").model_copy(
+        update={"provenance": PROV.model_copy(update={"engine_version": None, "model_path": None})}
+    )
+    assert freshness(host_gate, window=hour, current=PROV).fresh
 
 
 def test_one_currency_rule_for_every_answer(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ workload. Reference servers on loopback; status, phases, report and their exit c
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from kdctl.evidence import EvidenceFile
+from kdctl.records import content_hash
 from tests.conftest import (
     REPO,
     Served,
@@ -314,3 +317,58 @@ def test_a_result_run_under_a_criterions_own_settings_holds_in_status(
         v for v in status["gates"] if (v["gate"], v["backend"]) == ("exactness", "candidate")
     ]
     assert latest["fresh"] is True, latest
+
+
+def test_an_imported_pass_missing_a_field_of_what_it_measured_stands_for_nothing(
+    tmp_path: Path, reference_server: Served, twin_server: Served
+) -> None:
+    """A passing result exported, one field of what it measured nulled (its digest made
+    again, as anyone who edits the file can), and imported elsewhere: while the engines
+    answer and report that field, the pass stands for nothing, naming the field. Unedited, it
+    stands."""
+    inv = _inventory(tmp_path, reference_server.url, twin_server.url)
+    ran = kdctl("phases", "--run", "-i", str(inv), "--json")
+    assert ran.code == 0, ran.out + ran.err
+    exported = tmp_path / "evidence.json"
+    out = kdctl("evidence", "export", "--gate", "exactness", "-i", str(inv), "-o", str(exported))
+    assert out.code == 0, out.err
+    doc = json.loads(exported.read_text())
+
+    def imported(field: str, value: Any) -> dict[str, Any]:
+        edited = copy.deepcopy(doc)
+        for r in edited["results"]:
+            if field:
+                r["provenance"][field] = value
+        # The digest over the records as kdctl reads them back, as export makes it.
+        parsed = EvidenceFile.model_validate(edited)
+        edited["digest"] = content_hash(
+            parsed.model_dump(mode="json", include={"results", "baselines"})
+        )
+        path = tmp_path / f"edited-{field or 'none'}.json"
+        path.write_text(json.dumps(edited))
+        state = tmp_path / f"elsewhere-{field or 'none'}"
+        done = kdctl("evidence", "import", str(path), "-i", str(inv), "--state-dir", str(state))
+        assert done.code == 0, done.err
+        phases = kdctl("phases", "-i", str(inv), "--state-dir", str(state), "--json")
+        assert phases.code in (0, 1), phases.err
+        return dict(json.loads(phases.out)["phases"][0]["criteria"][0])
+
+    assert imported("", None)["state"] == "pass"
+    fields = (
+        "engine_version",
+        "engine_settings",
+        "model_path",
+        "config_hash",
+        "tp_size",
+        "host",
+        "weights",
+        "host_id",
+        "baseline_engine_version",
+        "baseline_weights",
+        "baseline_host_id",
+    )
+    assert {f for f in fields if doc["results"][0]["provenance"][f] is None} == set()
+    for field in fields:
+        c = imported(field, None)
+        assert c["state"] == "stale" and c["stale_by"] == [field], (field, c)
+        assert f"{field}: recorded without" in c["reason"], (field, c["reason"])

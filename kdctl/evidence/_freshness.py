@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from kdctl.checks import Workloads, freshness_window, measured_otherwise, workload_changed
+from kdctl.checks import (
+    Workloads,
+    freshness_window,
+    gate_class,
+    measured_otherwise,
+    workload_changed,
+)
+from kdctl.errors import InputError
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration
 from kdctl.records import Baseline, BaselineKind, GateResult, Provenance, utcnow
@@ -31,7 +38,8 @@ _IDENTITY = (
 )
 # A result without the identity of the machine it ran on, or naming a model without a
 # fingerprint of its weights, where either can be read now, cannot say that what it measured
-# is what is there: a stripped or hand-made record would otherwise count on any box.
+# is what is there: a stripped or hand-made record would otherwise count on any box. A pass
+# owes more (`_PASS_OWES`).
 _BOUND = (
     "weights",
     "host_id",
@@ -44,10 +52,20 @@ _BOUND = (
     "engine_version",
     "baseline_engine_version",
 )
+# What a pass owes besides: the engine's own fields (of a gate that asks the engine) where the
+# engine reports them now, and the host and GPUs its backend has. A pass whose record lacks one
+# cannot say it measured what runs, so nothing that is null in it passes as a match.
+_ENGINE_FIELDS = ("engine_version", "model_path", "config_hash", "tp_size", "engine_settings")
+_PASS_OWES = (*_ENGINE_FIELDS, "host", "gpus", "baseline_engine_version")
 _OWED = {
     "host_id": "an identity",
     "engine_settings": "the engine's settings",
     "engine_version": "the engine's build",
+    "model_path": "the model it served",
+    "config_hash": "the engine's configuration",
+    "tp_size": "its TP size",
+    "host": "its host",
+    "gpus": "its GPUs",
 }
 
 
@@ -72,10 +90,28 @@ def age_text(delta: timedelta) -> str:
     return f"{secs // 86400}d"
 
 
+def _asks_engine(result: GateResult) -> bool:
+    try:
+        return gate_class(result.gate).asks_engine
+    except InputError:
+        # A gate this machine does not have: by what its result recorded of an engine.
+        p = result.provenance
+        return any(getattr(p, name) is not None for name in _ENGINE_FIELDS)
+
+
 def _names(result: GateResult, field: str) -> bool:
     """Whether the result must carry `field` where it can be read now: every result ran on
     some machine; a weights fingerprint is owed by one that names the model it loaded, and
-    the baseline's by one that compared with a baseline."""
+    the baseline's by one that compared with a baseline; a pass, every field of what it
+    measured (`_PASS_OWES`)."""
+    if field in _PASS_OWES and (result.verdict == "pass" or field not in _BOUND):
+        if result.verdict != "pass":
+            return False
+        if field in ("host", "gpus"):
+            return True
+        if field == "baseline_engine_version":
+            return result.baseline is not None and _asks_engine(result)
+        return _asks_engine(result)
     if field == "weights":
         return result.provenance.model_path is not None
     if field == "host_id":
@@ -121,7 +157,10 @@ def freshness(
     fields: list[str] = []
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
-        if name in _BOUND and then is None and now_value is not None and _names(result, name):
+        # The engine's own fields are owed where it reports them now; held to the inventory
+        # (it did not answer), only to what the inventory says of every result: host, GPUs.
+        owed = name in _BOUND or (name in _PASS_OWES and (live or name in ("host", "gpus")))
+        if owed and then in (None, []) and now_value not in (None, []) and _names(result, name):
             what = _OWED.get(name.removeprefix("baseline_"), "a fingerprint")
             changed.append(f"{name}: recorded without {what}, now {now_value}")
             fields.append(name)

@@ -104,14 +104,14 @@ def _names(result: GateResult, field: str) -> bool:
     some machine; a weights fingerprint is owed by one that names the model it loaded, and
     the baseline's by one that compared with a baseline; a pass, every field of what it
     measured (`_PASS_OWES`)."""
-    if field in _PASS_OWES and (result.verdict == "pass" or field not in _BOUND):
-        if result.verdict != "pass":
-            return False
+    if field in _PASS_OWES and result.verdict == "pass":
         if field in ("host", "gpus"):
             return True
         if field == "baseline_engine_version":
             return result.baseline is not None and _asks_engine(result)
         return _asks_engine(result)
+    if field in _PASS_OWES and field not in _BOUND:
+        return False  # a result that is no pass claims nothing of these
     if field == "weights":
         return result.provenance.model_path is not None
     if field == "host_id":

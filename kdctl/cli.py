@@ -81,6 +81,13 @@ WideOpt = Annotated[
 TimeoutOpt = Annotated[
     float, typer.Option("--timeout", min=0.1, help="Deadline per host and backend, seconds.")
 ]
+DeepOpt = Annotated[
+    bool,
+    typer.Option(
+        "--deep",
+        help="Run command-mode engines' binaries to ask who they are (they load the model).",
+    ),
+]
 
 
 def _load(
@@ -124,13 +131,7 @@ def status(
     json_: JsonOpt = False,
     timeout: TimeoutOpt = 20.0,
     wide: WideOpt = False,
-    deep: Annotated[
-        bool,
-        typer.Option(
-            "--deep",
-            help="Run command-mode engines' binaries to ask who they are (they load the model).",
-        ),
-    ] = False,
+    deep: DeepOpt = False,
 ) -> None:
     """Hosts, GPUs and backends as live probes see them. Exit 3 when a host is unreachable."""
     from kdctl.status import status_report
@@ -179,6 +180,7 @@ def phases(
     ] = None,
     wide: WideOpt = False,
     timeout: TimeoutOpt = 15.0,
+    deep: DeepOpt = False,
 ) -> None:
     """The roadmap's phases from evidence: done, in progress, blocked, remaining, and every
     unmet criterion with its threshold, last value and age, under the three answers. Exit 0
@@ -197,6 +199,7 @@ def phases(
             run=run,
             only=only,
             timeout_s=timeout,
+            deep=deep,
             on_start=None if json_ else lambda what: err_print(f"running {what}..."),
             progress=progress,
         )
@@ -228,6 +231,7 @@ def report(
     candidate: CandidateOpt = None,
     json_: JsonOpt = False,
     timeout: TimeoutOpt = 15.0,
+    deep: DeepOpt = False,
 ) -> None:
     """The readiness report for CI. Exit 0 when the target phase is reachable now, 1 when not."""
     from kdctl.readiness import assess
@@ -237,7 +241,13 @@ def report(
     inv = _load(inventory, state_dir)
     with _store_for(inv) as store:
         found = assess(
-            inv, store, roadmap=roadmap, target=target, candidate=candidate, timeout_s=timeout
+            inv,
+            store,
+            roadmap=roadmap,
+            target=target,
+            candidate=candidate,
+            timeout_s=timeout,
+            deep=deep,
         )
         written = render_reports(found, store, chosen, output, inventory=str(inv.path))
     # The exit code is answer 3 itself: a CI job gated on it agrees with the text.

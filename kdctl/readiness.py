@@ -47,7 +47,7 @@ from kdctl.roadmap import (
     undated_why,
 )
 from kdctl.serving import EngineAnswer, ServingProbe, probe_serving
-from kdctl.session import Identity, Session, using
+from kdctl.session import Identity, Session, recorded_identities, using
 from kdctl.traffic import CutoverRecord, open_journal
 
 # "baseline": the engine the roadmap replaces, the yardstick every ratio is measured against.
@@ -447,14 +447,18 @@ def assess(
     serving: ServingProbe | None = None,
     services: Mapping[str, ServiceState] | None = None,
     session: Session | None = None,
+    deep: bool = False,
 ) -> Readiness:
     """The three answers from one moment: who answers through the front now, the roadmap
     evaluated against what the engines report now, and whether traffic may move.
 
     `serving` is what the caller has just measured, and the session holds who each engine
     said it is (`kdctl status` probes every engine anyway), so that nothing is asked twice.
+    Without a session, one of its own runs a command-mode engine's binary to ask who it is only
+    with `deep`, as status does.
     """
-    with using(inv, session) as s:
+    own = None if deep else recorded_identities(inv, store)
+    with using(inv, session, recorded=own) as s:
         return _assess(inv, store, s, roadmap, target, candidate, timeout_s, now, serving, services)
 
 
@@ -928,14 +932,16 @@ def assess_phases(
     run: bool = False,
     only: list[str] | None = None,
     timeout_s: float = 15.0,
+    deep: bool = False,
     on_start: Callable[[str], None] | None = None,
     progress: ProgressHook | None = None,
     session: Session | None = None,
 ) -> Readiness:
     """`kdctl phases`: the assessment of the roadmap; with `run`, the gate behind every unmet
     criterion (of the phases in `only`) runs first, and the answers come from what it recorded.
-    `timeout_s` bounds each engine's answer to who it is (a command-mode engine's binary
-    loads its model to say)."""
+    `timeout_s` bounds each engine's answer to who it is. A command-mode engine's binary loads
+    its model to say: it is run to ask only with `deep` or `run` (which runs it to measure
+    anyway); otherwise it is described by its newest recorded identity, as status does."""
 
     def assessed(s: Session) -> Readiness:
         return assess(
@@ -948,7 +954,8 @@ def assess_phases(
             session=s,
         )
 
-    with using(inv, session) as s:
+    own = None if deep or run else recorded_identities(inv, store)
+    with using(inv, session, recorded=own) as s:
         found = assessed(s)
         if found.phases is None:
             raise InputError(f"{inv.path}: no roadmap selected (set roadmap: or --roadmap)")

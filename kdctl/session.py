@@ -23,6 +23,7 @@ from kdctl._httpclient import ChannelOpener, TcpChannel, Tunnels
 from kdctl.backends import Backend, HttpBackend, make_backend
 from kdctl.checks import Baseline, GateResult, Provenance, provenance_for
 from kdctl.errors import InputError, KdctlError
+from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
 from kdctl.probes.identity import probe_host_identity, probe_weights
 from kdctl.transports import Transport, TransportPool, fan_out
@@ -216,13 +217,33 @@ class Session:
 
 
 @contextmanager
-def using(inventory: LoadedInventory, session: Session | None) -> Iterator[Session]:
-    """The caller's session, left open; else one of its own for this call, closed after it."""
+def using(
+    inventory: LoadedInventory, session: Session | None, *, recorded: Recorded | None = None
+) -> Iterator[Session]:
+    """The caller's session, left open; else one of its own for this call (taking `recorded`),
+    closed after it."""
     if session is not None:
         yield session
         return
-    with Session(inventory) as own:
+    with Session(inventory, recorded=recorded) as own:
         yield own
+
+
+def recorded_identities(inventory: LoadedInventory, store: EvidenceStore) -> Recorded:
+    """Who each command-mode engine is by its newest result that recorded its build, for a
+    session that does not run binaries to ask (each loads its model). Read here, once: the
+    session asks from its own threads, and a store is one thread's."""
+    known: dict[str, tuple[Provenance, str] | None] = {}
+    for name, spec in inventory.backends.items():
+        if spec.kind == "native" and spec.mode == "command":
+            newest = (
+                r for r in store.results(backend=name, limit=50) if r.provenance.engine_version
+            )
+            r = next(newest, None)
+            known[name] = (
+                (r.provenance, f"{r.gate} result of {r.ended_at:%Y-%m-%d %H:%M}") if r else None
+            )
+    return known.get
 
 
 def check_names(inv: LoadedInventory, *names: str | None) -> None:

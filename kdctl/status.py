@@ -11,7 +11,7 @@ from pydantic import BaseModel, PrivateAttr, SecretStr
 from kdctl._httpclient import http_client
 from kdctl.backends import HEALTH_TIMEOUT_S, EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
-from kdctl.checks import Provenance, provenance_for
+from kdctl.checks import provenance_for
 from kdctl.errors import KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import BackendSpec, LoadedInventory
@@ -27,7 +27,7 @@ from kdctl.probes import (
 from kdctl.readiness import Answers, LatestVerdict, assess, latest_verdicts
 from kdctl.recording import BaselineCoverage, baseline_coverage
 from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
-from kdctl.session import Identity, Session, using
+from kdctl.session import Identity, Session, recorded_identities, using
 from kdctl.traffic import open_journal
 from kdctl.transports import fan_out
 
@@ -177,14 +177,9 @@ def status_report(
     """`kdctl status`: the live probes, then the three answers from the same session, so
     every host is dialled and every engine asked who it is once. An engine in command mode
     is run only with `deep`: otherwise who it is comes from its newest recorded identity."""
-    # Read here, once: the session asks from its own threads, and a store is one thread's.
-    known = {
-        name: recorded_identity(store, name)
-        for name, spec in inventory.backends.items()
-        if spec.kind == "native" and spec.mode == "command"
-    }
-    recorded = None if deep else known.get
-    with Session(inventory, recorded=recorded) as session:
+    with Session(
+        inventory, recorded=None if deep else recorded_identities(inventory, store)
+    ) as session:
         report = collect_status(inventory, deadline_s=deadline_s, session=session)
         report.answers = assess(
             inventory,
@@ -205,14 +200,6 @@ def status_report(
     report.gates = latest_verdicts(inventory, store, identities=identities)
     report.baselines = baseline_coverage(inventory, store, identities)
     return report
-
-
-def recorded_identity(store: EvidenceStore, name: str) -> tuple[Provenance, str] | None:
-    """The newest result that recorded what the engine said it runs (its build)."""
-    for r in store.results(backend=name, limit=50):
-        if r.provenance.engine_version is not None:
-            return r.provenance, f"{r.gate} result of {r.ended_at:%Y-%m-%d %H:%M}"
-    return None
 
 
 def collect_status(

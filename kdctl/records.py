@@ -115,6 +115,9 @@ class Provenance(BaseModel):
     # serves, and the host's own identity (machine id, GPU serials), not its inventory name.
     weights: str | None = None
     host_id: str | None = None
+    # A command-mode engine's program as its host shows it (the file its command's first word
+    # names: size, change time, inode): a binary rebuilt under the same version string differs.
+    engine_binary: str | None = None
     # The same of the baseline a comparing gate measured against.
     baseline_weights: str | None = None
     baseline_host_id: str | None = None
@@ -184,6 +187,7 @@ class Provenance(BaseModel):
             "host_id",
             "tp_size",
             "engine_settings",
+            "engine_binary",
         )
         owed = {
             "weights": self.model_path is not None,
@@ -217,6 +221,7 @@ class Provenance(BaseModel):
 _BOUND = (
     "weights",
     "host_id",
+    "engine_binary",
     "baseline_weights",
     "baseline_host_id",
     "baseline_engine_version",

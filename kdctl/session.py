@@ -25,7 +25,7 @@ from kdctl.checks import Baseline, GateResult, Provenance, provenance_for
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import LoadedInventory
-from kdctl.probes.identity import probe_host_identity, probe_weights
+from kdctl.probes.identity import probe_executable, probe_host_identity, probe_weights
 from kdctl.transports import Transport, TransportPool, fan_out
 
 
@@ -261,6 +261,7 @@ class Binder:
         self.session = session
         self._hosts: dict[str, str | None] = {}
         self._weights: dict[tuple[str, str], str | None] = {}
+        self._programs: dict[tuple[str, str], str | None] = {}
 
     @property
     def _transport(self) -> Callable[[str], Transport]:
@@ -278,12 +279,22 @@ class Binder:
             self._weights[(host, path)] = probe_weights(self._transport(host), path)
         return self._weights[(host, path)]
 
+    def program(self, host: str, argv: list[str]) -> str | None:
+        """The fingerprint of a command-mode engine's program on its host."""
+        if not argv:
+            return None
+        if (host, argv[0]) not in self._programs:
+            self._programs[(host, argv[0])] = probe_executable(self._transport(host), argv[0])
+        return self._programs[(host, argv[0])]
+
     def bind(self, name: str, prov: Provenance) -> Provenance:
-        host = self.session.inventory.backends[name].host
+        spec = self.session.inventory.backends[name]
+        command = spec.mode == "command"
         return prov.model_copy(
             update={
-                "weights": self.weights(host, prov.model_path),
-                "host_id": self.host_id(host),
+                "weights": self.weights(spec.host, prov.model_path),
+                "host_id": self.host_id(spec.host),
+                "engine_binary": self.program(spec.host, spec.command_argv) if command else None,
             }
         )
 

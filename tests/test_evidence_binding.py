@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from tests.conftest import (
     kdctl,
     need_module,
     serve_reference,
+    warm_argv,
     write_inventory,
 )
 
@@ -372,3 +375,69 @@ def test_an_imported_pass_missing_a_field_of_what_it_measured_stands_for_nothing
         c = imported(field, None)
         assert c["state"] == "stale" and c["stale_by"] == [field], (field, c)
         assert f"{field}: recorded without" in c["reason"], (field, c["reason"])
+
+
+def test_a_command_mode_engine_rebuilt_in_place_leaves_its_results_standing_for_nothing(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    """The native engine before it serves: a program measured greedy-exact against the
+    reference, then rebuilt in place under the same version string (a daily build). Its host
+    shows another file: its results stand for nothing, said without running it (`phases`, as
+    `status`) and with (`phases --deep`)."""
+    program = tmp_path / "kdtree-batch"
+    model = models["dsv3"]
+    engine = warm_argv([sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(model)])
+
+    def build() -> None:
+        new = tmp_path / "kdtree-batch.new"
+        new.write_text(f'#!/bin/sh\nexec {shlex.join(engine)} "$@"\n')
+        new.chmod(0o755)
+        new.replace(program)
+
+    build()
+    roadmap = {
+        "title": "Rebuilt",
+        "serving": "reference-tiny",
+        "candidate": "native-tiny",
+        "phases": [
+            {
+                "id": "core",
+                "title": "Greedy-exact on the tiny model",
+                "criteria": [
+                    {
+                        "gate": "exactness",
+                        "backend": "native-tiny",
+                        "baseline": "reference-tiny",
+                        "settings": {"mode": "strict", "max_new_tokens": 4},
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(roadmap, sort_keys=False))
+    command = {"kind": "native", "mode": "command", "host": "local", "model": str(model)}
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {
+                "native-tiny": {**command, "command": [str(program)]},
+                "reference-tiny": {**command, "command": engine},
+            },
+            "roadmap": "roadmap.yaml",
+            "state_dir": "state",
+        },
+    )
+
+    def criterion(*extra: str) -> dict[str, Any]:
+        run = kdctl("phases", *extra, "-i", str(inv), "--json", timeout=300)
+        assert run.code in (0, 1), run.out + run.err
+        return dict(json.loads(run.out)["phases"][0]["criteria"][0])
+
+    assert criterion("--run")["state"] == "pass"
+    assert criterion()["state"] == "pass"
+    build()
+    for extra in ((), ("--deep",)):
+        c = criterion(*extra)
+        assert c["state"] == "stale" and c["stale_by"] == ["engine_binary"], (extra, c)
+        assert "engine_binary" in c["reason"], c["reason"]

@@ -35,6 +35,7 @@ _IDENTITY = (
     "baseline_engine_version",
     "engine_settings",
     "baseline_engine_settings",
+    "engine_binary",
 )
 # A result without the identity of the machine it ran on, or naming a model without a
 # fingerprint of its weights, where either can be read now, cannot say that what it measured

@@ -35,6 +35,20 @@ def probe_host_identity(transport: Transport, *, timeout: float = 10.0) -> str |
     )
 
 
+def probe_executable(transport: Transport, program: str, *, timeout: float = 10.0) -> str | None:
+    """A fingerprint of the file `program` (a command's first word, found on the host's PATH
+    where it is a bare name): its size, change time and inode, so a binary rebuilt or replaced
+    differs while one left alone does not, without reading it. None where the host cannot say."""
+    script = 'p=$(command -v -- "$1") || exit 127; find -L "$p" -maxdepth 0 -type f -printf "$2"'
+    try:
+        found = transport.run(["sh", "-c", script, "sh", program, _FIND_FORMAT], timeout=timeout)
+    except KdctlError:
+        return None
+    if not found.ok:
+        return None
+    return parse_checkpoint_listing(found.stdout)
+
+
 # name, size, change time (ns since the epoch, which no copy tool can set back) and inode of
 # each file in the checkpoint's folder and one level below (sharded checkpoints keep
 # sub-folders). A replaced or rewritten file changes its change time; a file restored by

@@ -233,7 +233,7 @@ def test_nothing_null_in_a_pass_passes_as_a_match() -> None:
     cannot say it measured what runs: stale, naming the field. A failure is not held to them
     (it claims nothing), nor is a gate that asks no engine held to the engine's fields."""
     hour = timedelta(hours=1)
-    now = PROV.with_baseline(PROV)
+    now = PROV.with_baseline(PROV).model_copy(update={"engine_binary": "5eed"})
     whole = result().model_copy(update={"provenance": now})
     assert freshness(whole, window=hour, current=now).fresh
     for field, empty in (
@@ -243,6 +243,7 @@ def test_nothing_null_in_a_pass_passes_as_a_match() -> None:
         ("tp_size", None),
         ("host", None),
         ("gpus", []),
+        ("engine_binary", None),
         ("baseline_engine_version", None),
     ):
         stripped = now.model_copy(update={field: empty})

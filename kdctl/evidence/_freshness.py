@@ -54,10 +54,12 @@ _BOUND = (
     "baseline_engine_version",
 )
 # What a pass owes besides: the engine's own fields (of a gate that asks the engine) where the
-# engine reports them now, and the host and GPUs its backend has. A pass whose record lacks one
-# cannot say it measured what runs, so nothing that is null in it passes as a match.
+# engine reports them now, and what the host shows of its backend (host, GPUs, program). A pass
+# whose record lacks one cannot say it measured what runs: nothing null in it passes as a match.
 _ENGINE_FIELDS = ("engine_version", "model_path", "config_hash", "tp_size", "engine_settings")
-_PASS_OWES = (*_ENGINE_FIELDS, "host", "gpus", "baseline_engine_version")
+# What the host shows of every result's backend, the engine answering or not.
+_HOST_FIELDS = ("host", "gpus", "engine_binary")
+_PASS_OWES = (*_ENGINE_FIELDS, *_HOST_FIELDS, "baseline_engine_version")
 _OWED = {
     "host_id": "an identity",
     "engine_settings": "the engine's settings",
@@ -67,6 +69,7 @@ _OWED = {
     "tp_size": "its TP size",
     "host": "its host",
     "gpus": "its GPUs",
+    "engine_binary": "its program's fingerprint",
 }
 
 
@@ -106,7 +109,7 @@ def _names(result: GateResult, field: str) -> bool:
     the baseline's by one that compared with a baseline; a pass, every field of what it
     measured (`_PASS_OWES`)."""
     if field in _PASS_OWES and result.verdict == "pass":
-        if field in ("host", "gpus"):
+        if field in _HOST_FIELDS:
             return True
         if field == "baseline_engine_version":
             return result.baseline is not None and _asks_engine(result)
@@ -159,8 +162,8 @@ def freshness(
     for name in _IDENTITY:
         then, now_value = getattr(result.provenance, name), getattr(current, name)
         # The engine's own fields are owed where it reports them now; held to the inventory
-        # (it did not answer), only to what the inventory says of every result: host, GPUs.
-        owed = name in _BOUND or (name in _PASS_OWES and (live or name in ("host", "gpus")))
+        # (it did not answer), only to what the host shows of every result's backend.
+        owed = name in _BOUND or (name in _PASS_OWES and (live or name in _HOST_FIELDS))
         if owed and then in (None, []) and now_value not in (None, []) and _names(result, name):
             what = _OWED.get(name.removeprefix("baseline_"), "a fingerprint")
             changed.append(f"{name}: recorded without {what}, now {now_value}")

@@ -180,8 +180,8 @@ class Session:
         if found is None:
             return self._declared(
                 name,
-                f"{name} runs in command mode and was not run to ask who it is (kdctl status "
-                "--deep runs it); no result records it either: held to the inventory",
+                f"{name} runs in command mode and was not run to ask who it is ({_DEEP}); no "
+                "result records it either: held to the inventory",
             )
         recorded, where = found
         # Its build as recorded, on the deployment the inventory declares: a record made on
@@ -196,8 +196,8 @@ class Session:
         return Identity(
             self.binder.bind(name, prov),
             live=False,
-            note=f"{name} runs in command mode and was not run to ask who it is (kdctl status "
-            f"--deep runs it): described as its {where} recorded it",
+            note=f"{name} runs in command mode and was not run to ask who it is ({_DEEP}): "
+            f"described as its {where} recorded it",
         )
 
     def close(self) -> None:
@@ -227,6 +227,10 @@ def using(
         return
     with Session(inventory, recorded=recorded) as own:
         yield own
+
+
+# How a person has a command-mode engine's binary run to ask it: status, phases and report alike.
+_DEEP = "kdctl status --deep runs it, as phases --deep and report --deep do"
 
 
 def recorded_identities(inventory: LoadedInventory, store: EvidenceStore) -> Recorded:

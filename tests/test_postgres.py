@@ -234,3 +234,25 @@ def test_a_sqlite_store_migrated_verified_and_exported_back(
     assert kdctl("evidence", "import", str(out), "-i", fresh).code == 0
     with SqliteStore(tmp_path / "fresh" / "state" / "evidence.sqlite") as back:
         assert store_digest(back) == want
+
+
+def test_a_journal_opened_beside_a_running_cutover_waits_on_none_of_its_tables(
+    postgres: Cluster,
+) -> None:
+    """A cutover holds the journal's tables while it writes a step; a second kdctl opening
+    the journal then (a status, a refused second cutover) must not need a lock on them: an
+    ALTER TABLE there deadlocked the two (`deadlock detected`, exit 3)."""
+    from kdctl.traffic import PostgresJournal
+
+    url = postgres.create_database()
+    PostgresJournal(url, password=postgres.password).close()  # the tables made
+    with psycopg.connect(url, password=postgres.password) as writing:
+        writing.execute("LOCK TABLE steps IN ROW EXCLUSIVE MODE")
+        writing.execute("LOCK TABLE cutovers IN ROW EXCLUSIVE MODE")
+        with ThreadPoolExecutor(1) as beside:
+            opened = beside.submit(PostgresJournal, url, password=postgres.password)
+            try:
+                journal = opened.result(timeout=10)
+            finally:
+                writing.rollback()  # a journal that waited is let go, and fails the test
+        journal.close()

@@ -338,7 +338,16 @@ class PostgresJournal(Journal):
                     if statement.strip():
                         self._db.execute(statement)
                 for table in ("cutovers", "steps"):
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS seq BIGSERIAL")
+                    # ALTER TABLE takes an ACCESS EXCLUSIVE lock even where the column is there
+                    # already: a journal opened beside a running cutover, whose writes hold
+                    # both tables in turn, deadlocked with it. Altered only where it lacks one.
+                    has = self._db.execute(
+                        "SELECT 1 FROM information_schema.columns WHERE table_schema = "
+                        "current_schema() AND table_name = %s AND column_name = 'seq'",
+                        (table,),
+                    ).fetchone()
+                    if has is None:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN seq BIGSERIAL")
                 self._db.execute("CREATE TABLE IF NOT EXISTS traffic_lock (holder TEXT NOT NULL)")
         except self.errors as exc:
             self._db.close()

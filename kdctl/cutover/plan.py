@@ -57,20 +57,22 @@ class Drain(BaseModel):
         return "drain: the router answers 503 with Retry-After"
 
 
-class Stop(BaseModel):
+class _OnEngine(BaseModel):
+    """A step on one engine's service, described by its kind: "stop candidate"."""
+
+    kind: str
+    backend: str
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.backend}"
+
+
+class Stop(_OnEngine):
     kind: Literal["stop"] = "stop"
-    backend: str
-
-    def describe(self) -> str:
-        return f"stop {self.backend}"
 
 
-class Start(BaseModel):
+class Start(_OnEngine):
     kind: Literal["start"] = "start"
-    backend: str
-
-    def describe(self) -> str:
-        return f"start {self.backend}"
 
 
 class SmokeGate(BaseModel):

@@ -457,7 +457,8 @@ def assess(
     Without a session, one of its own runs a command-mode engine's binary to ask who it is only
     with `deep`, as status does.
     """
-    own = None if deep else recorded_identities(inv, store)
+    # Read only for a session of its own: the caller's already knows how it asks.
+    own = None if deep or session is not None else recorded_identities(inv, store)
     with using(inv, session, recorded=own) as s:
         return _assess(inv, store, s, roadmap, target, candidate, timeout_s, now, serving, services)
 
@@ -954,7 +955,7 @@ def assess_phases(
             session=s,
         )
 
-    own = None if deep or run else recorded_identities(inv, store)
+    own = None if deep or run or session is not None else recorded_identities(inv, store)
     with using(inv, session, recorded=own) as s:
         found = assessed(s)
         if found.phases is None:

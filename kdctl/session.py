@@ -42,6 +42,8 @@ class Identity:
 # What a command-mode engine last said it was, from the evidence: its provenance, and where
 # that was read (e.g. "exactness result of 2026-12-01 09:12").
 Recorded = Callable[[str], tuple[Provenance, str] | None]
+# How a person has a command-mode engine's binary run to ask it: status, phases and report alike.
+_DEEP = "kdctl status --deep runs it, as phases --deep and report --deep do"
 
 
 class Session:
@@ -227,10 +229,6 @@ def using(
         return
     with Session(inventory, recorded=recorded) as own:
         yield own
-
-
-# How a person has a command-mode engine's binary run to ask it: status, phases and report alike.
-_DEEP = "kdctl status --deep runs it, as phases --deep and report --deep do"
 
 
 def recorded_identities(inventory: LoadedInventory, store: EvidenceStore) -> Recorded:

@@ -83,6 +83,15 @@ _WARM_LOCK = threading.Lock()
 _ENGINES: WarmCli | None = None
 
 
+def _warm_cli() -> WarmCli:
+    global _WARM
+    with _WARM_LOCK:  # the first callers may be threads (the models fixture's)
+        if _WARM is None:
+            _WARM = WarmCli()
+            atexit.register(_WARM.close)
+        return _WARM
+
+
 def kdctl(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> Run:
@@ -90,16 +99,11 @@ def kdctl(
     imported kdctl already (tests/support/warm.py; for `kdctl reference`, torch too), or a
     cold `python -m kdctl` where the command's interpreter start-up would differ, or
     KDCTL_TEST_COLD_CLI is set."""
-    global _WARM
     # Wide and fixed, whatever the runner's terminal (pytest-xdist's workers have 80 columns).
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     if not os.environ.get("KDCTL_TEST_COLD_CLI"):
-        with _WARM_LOCK:  # the first callers may be threads (the models fixture's)
-            if _WARM is None:
-                _WARM = WarmCli()
-                atexit.register(_WARM.close)
         # `kdctl reference ...` imports torch and transformers: the engine server has them.
-        warm = _warm_engines() if args[:1] == ("reference",) else _WARM
+        warm = _warm_engines() if args[:1] == ("reference",) else _warm_cli()
         if warm is not None and warm.suits(full_env):
             return Run(*warm.run(list(args), full_env, str(cwd or Path.cwd()), timeout))
     proc = subprocess.run(
@@ -111,6 +115,20 @@ def kdctl(
         timeout=timeout,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def kdctl_start(*args: str) -> subprocess.Popen[bytes] | WarmProcess:
+    """Start the real CLI and leave it running, its output discarded: a fork of the warm
+    server, as `kdctl` runs a command, or a cold `python -m kdctl` where that cannot be."""
+    env = {**os.environ, "COLUMNS": "200"}
+    if not os.environ.get("KDCTL_TEST_COLD_CLI") and _warm_cli().suits(env):
+        return _warm_cli().start(list(args), env, str(Path.cwd()))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kdctl", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def native_http(url: str, **extra: Any) -> dict[str, Any]:

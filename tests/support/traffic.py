@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +17,7 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.conftest import engine_pair, kdctl, write_inventory
+from tests.conftest import engine_pair, kdctl, kdctl_start, write_inventory
 from tests.support.nginx import kdctl_front, router_entry
 from tests.support.sshd import free_port
 
@@ -146,11 +144,7 @@ def promotion(inv: str) -> dict[str, Any]:
 
 def kill_when(args: list[str], db: Path, sql: str, want: int) -> None:
     """Run kdctl and SIGKILL it as soon as `sql` over the journal counts `want` rows."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kdctl", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = kdctl_start(*args)
     # Below this poller's priority: on a loaded machine the poller, not the process it
     # watches, gets the core, so the kill lands between row `want` and the next.
     os.setpriority(os.PRIO_PROCESS, proc.pid, 5)

@@ -86,7 +86,9 @@ class CommandGate(Gate):
         checks = {
             n: c
             for n, c in ctx.inventory.spec.gates.commands.items()
-            if c.backends is None or backend in c.backends
+            # A pool named there stands for each of its replicas.
+            if c.backends is None
+            or backend in {m for b in c.backends for m in ctx.inventory.members(b)}
         }
         metrics: list[Metric] = []
         reasons: list[str] = []

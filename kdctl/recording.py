@@ -24,6 +24,7 @@ from kdctl.checks.api_conformance import PROBES, record_api
 from kdctl.checks.exactness import corpus_path, load_corpus, record_golden
 from kdctl.checks.signoff import sign_off
 from kdctl.checks.throughput import record_throughput
+from kdctl.errors import InputError
 from kdctl.evidence import EvidenceStore, age_text, baseline_gaps
 from kdctl.inventory import LoadedInventory
 from kdctl.session import Identity, Session, check_names, using
@@ -87,7 +88,25 @@ def run_gates(
 ) -> list[GateResult]:
     """Run one gate or `all`, record every result as evidence, and return them. With
     `recorded_only`, a baseline is compared only through what it recorded, never asked live
-    (it is stopped: a swap's smoke gate)."""
+    (it is stopped: a swap's smoke gate). A pool is judged replica by replica, each against
+    the baseline's replica on its own box where the baseline is a pool too."""
+    if backend in inv.pools:
+        with using(inv, session) as s:
+            return [
+                result
+                for member in inv.pools[backend]
+                for result in run_gates(
+                    inv,
+                    store,
+                    gate,
+                    member,
+                    _counterpart(inv, baseline, inv.backends[member].host),
+                    on_start=on_start,
+                    progress=progress,
+                    session=s,
+                    recorded_only=recorded_only,
+                )
+            ]
     check_names(inv, backend, baseline)
     names = (
         sorted(n for n, g in gates().items() if g.runnable)
@@ -126,6 +145,19 @@ def run_gates(
                 store.record(result)
             results.append(result)
     return results
+
+
+def _counterpart(inv: LoadedInventory, baseline: str | None, host: str) -> str | None:
+    """The backend a replica on `host` is compared with: the baseline's replica on the same
+    box where the baseline is a pool (the same GPUs and links), else the baseline itself."""
+    if baseline is None or baseline not in inv.pools:
+        return baseline
+    same = [m for m in inv.pools[baseline] if inv.backends[m].host == host]
+    if not same:
+        raise InputError(
+            f"{baseline} has no replica on {host}: name the baseline replica to compare with"
+        )
+    return same[0]
 
 
 BASELINE_KINDS: tuple[BaselineKind, ...] = ("golden", "throughput", "api")

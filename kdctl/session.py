@@ -250,6 +250,9 @@ def recorded_identities(inventory: LoadedInventory, store: EvidenceStore) -> Rec
 
 def check_names(inv: LoadedInventory, *names: str | None) -> None:
     for name in names:
+        if name is not None and name in inv.pools:
+            replicas = ", ".join(inv.pools[name])
+            raise InputError(f"{name} is a pool: name one of its replicas ({replicas})")
         if name is not None and name not in inv.backends:
             known = ", ".join(sorted(inv.backends)) or "none"
             raise InputError(f"unknown backend {name!r} (known: {known})")

@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, PrivateAttr, SecretStr
+from pydantic import BaseModel, PrivateAttr, SecretStr, computed_field
 
 from kdctl._httpclient import http_client
 from kdctl.backends import HEALTH_TIMEOUT_S, EngineInfo, HealthResult, make_backend, probe_health
@@ -70,6 +70,35 @@ class BackendStatus(BaseModel):
     service: ServiceState | None = None
 
 
+class PoolStatus(BaseModel):
+    """A pool rolled up from its replicas' own probes: how many of them answer."""
+
+    name: str
+    kind: str
+    # Its replicas' backend names, in the inventory's order, and those whose health check
+    # answered now (on SGLang, a one-token generation).
+    replicas: list[str]
+    up: list[str]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def summary(self) -> str:
+        return f"{len(self.up)}/{len(self.replicas)} replicas up"
+
+
+def pool_statuses(inventory: LoadedInventory, backends: list[BackendStatus]) -> list[PoolStatus]:
+    states = {b.name: b for b in backends}
+    return [
+        PoolStatus(
+            name=pool,
+            kind=inventory.backends[names[0]].kind if names else "",
+            replicas=list(names),
+            up=[n for n in names if n in states and states[n].state == "up"],
+        )
+        for pool, names in inventory.pools.items()
+    ]
+
+
 class TrafficStatus(BaseModel):
     """The router: the weights its configuration holds (what it is meant to do), and the
     backend that answered a request through its front (what it does)."""
@@ -94,6 +123,8 @@ class StatusReport(BaseModel):
     inventory: str
     hosts: list[HostStatus]
     backends: list[BackendStatus]
+    # Each pool of replicas, rolled up from their rows in `backends`.
+    pools: list[PoolStatus] = []
     traffic: TrafficStatus
     # The three answers, and the newest verdict of every gate for every backend.
     answers: Answers | None = None
@@ -366,6 +397,7 @@ def _collect(
         inventory=str(inventory.path),
         hosts=hosts,
         backends=backends,
+        pools=pool_statuses(inventory, backends),
         traffic=traffic_status(inventory, serving),
     )
     report._serving = serving

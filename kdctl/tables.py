@@ -148,6 +148,18 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
         narrow_drop=("kind", "url", "latency"),
     )
 
+    pools = Text()
+    for pool in report.pools:
+        down = [
+            f"{b.name} {b.state}" + (f" ({b.detail})" if b.detail else "")
+            for b in report.backends
+            if b.name in pool.replicas and b.name not in pool.up
+        ]
+        style = "green" if len(pool.up) == len(pool.replicas) else "yellow" if pool.up else "red"
+        pools.append(f"Pool {pool.name}: {pool.summary}", style)
+        pools.append("".join(f"; {d}" for d in down) + "\n")
+    pools.rstrip()
+
     t = report.traffic
     if t.router:
         split = ", ".join(f"{k} {v}%" for k, v in t.weights.items()) or "nothing"
@@ -178,7 +190,7 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
             )
     else:
         traffic = Text("Traffic: no router in the inventory")
-    parts: list[Table | Text] = [hosts, backends, traffic]
+    parts: list[Table | Text] = [hosts, backends, *([pools] if report.pools else []), traffic]
     if report.gates:
         verdicts = _table(
             "Latest gate verdicts",

@@ -27,8 +27,11 @@ from kdctl.inventory.models import (
     UNION_TAGS,
     BackendSpec,
     CommandService,
+    EngineSpec,
     HostSpec,
     Inventory,
+    PoolSpec,
+    Replica,
     RouterSpec,
 )
 
@@ -54,6 +57,10 @@ class LoadedInventory:
     # API-key variables the environment lacks, by backend (or ROUTER_KEY): each message names
     # the file, line and variable.
     unset_keys: Mapping[str, str] = field(default_factory=dict)
+    # Every engine by name, a pool's replicas each as a backend of its own (POOL@HOST), and
+    # each pool's replicas in the file's order.
+    engines: Mapping[str, BackendSpec] = field(default_factory=dict)
+    pools: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def warnings(self) -> list[str]:
@@ -65,14 +72,23 @@ class LoadedInventory:
 
     @property
     def backends(self) -> Mapping[str, BackendSpec]:
-        return self.spec.backends
+        """Every engine, a pool's replicas each under its own name."""
+        return self.engines
+
+    def members(self, name: str) -> tuple[str, ...]:
+        """The backends a name stands for: a pool's replicas, or the backend itself."""
+        return self.pools.get(name, (name,))
+
+    def pool_of(self, backend: str) -> str | None:
+        return next((pool for pool, names in self.pools.items() if backend in names), None)
 
     def api_key(self, backend: str) -> SecretStr | None:
         """The backend's key; an InputError when its variable is unset, since a request sent
         without it would only be refused."""
-        if backend in self.unset_keys:
-            raise InputError(self.unset_keys[backend])
-        return resolve_api_key(self.spec.backends[backend], self.path.parent)
+        owner = self.pool_of(backend) or backend
+        if owner in self.unset_keys:
+            raise InputError(self.unset_keys[owner])
+        return resolve_api_key(self.engines[backend], self.path.parent)
 
     def evidence_password(self) -> str | None:
         return evidence_password(self.spec, self.path.parent)
@@ -89,7 +105,7 @@ class LoadedInventory:
     def service_env(self, backend: str) -> dict[str, str]:
         """What a command service hands its engine; InputError naming this file and each
         variable kdctl's environment lacks."""
-        service = self.spec.backends[backend].service
+        service = self.engines[backend].service
         if not isinstance(service, CommandService):
             return {}
         return resolve_service_env(backend, service, source=str(self.path))
@@ -123,7 +139,10 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
         raise InputError(format_problems(doc, pydantic_problems(exc))) from None
 
     base = path.parent
-    problems = list(_cross_check(spec, base)) + list(_missing_files(spec, base))
+    problems = list(_pool_problems(spec))
+    engines = _expand(spec)
+    if not problems:
+        problems = list(_cross_check(spec, engines, base)) + list(_missing_files(spec, base))
     if problems:
         raise InputError(format_problems(doc, problems))
 
@@ -135,8 +154,100 @@ def load_inventory(path: Path, *, state_dir: str | Path | None = None) -> Loaded
     }
     chosen = state_dir or os.environ.get(ENV_STATE_DIR) or spec.state_dir
     return LoadedInventory(
-        spec=spec, path=path, state_dir=local_path(Path(chosen), base), unset_keys=unset
+        spec=spec,
+        path=path,
+        state_dir=local_path(Path(chosen), base),
+        unset_keys=unset,
+        engines={name: e.spec for name, e in engines.items()},
+        pools={
+            pool: tuple(n for n, e in engines.items() if e.pool == pool)
+            for pool, entry in spec.backends.items()
+            if isinstance(entry, PoolSpec)
+        },
     )
+
+
+# Where a replica's own fields are written, so a problem with one is shown on its line.
+_REPLICA_FIELDS = ("host", "url", "gpus")
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """One engine the inventory defines, and where in the file it is written."""
+
+    spec: BackendSpec
+    entry: str
+    pool: str | None = None
+    # Its index in the pool's `replicas` list; None for a group's replica.
+    replica: int | None = None
+
+    def at(self, *path: str | int) -> Loc:
+        if self.pool is not None and path and path[0] in _REPLICA_FIELDS:
+            if self.replica is None:
+                return ("backends", self.entry, "replicas")
+            return ("backends", self.entry, "replicas", self.replica, *path)
+        return ("backends", self.entry, *path)
+
+
+def replica_name(pool: str, host: str) -> str:
+    """A replica's backend name: its pool's and its host's, which no name in a file can be."""
+    return f"{pool}@{host}"
+
+
+def _replicas(spec: Inventory, pool: PoolSpec) -> list[tuple[int | None, Replica]]:
+    if isinstance(pool.replicas, list):
+        return list(enumerate(pool.replicas))
+    group = pool.replicas
+    out: list[tuple[int | None, Replica]] = []
+    for name in spec.groups.get(group.group, []):
+        host = spec.hosts.get(name)
+        if host is None:
+            continue
+        address = "127.0.0.1" if host.transport == "local" else (host.address or "")
+        address = f"[{address}]" if ":" in address else address
+        url = f"{group.scheme}://{address}:{group.port}"
+        out.append((None, Replica(host=name, url=url)))
+    return out
+
+
+def _expand(spec: Inventory) -> dict[str, _Engine]:
+    """Every engine by name: a backend as written, a pool as one backend per replica."""
+    out: dict[str, _Engine] = {}
+    for name, entry in spec.backends.items():
+        if isinstance(entry, BackendSpec):
+            out[name] = _Engine(entry, name)
+            continue
+        common = {f: getattr(entry, f) for f in EngineSpec.model_fields}
+        for index, replica in _replicas(spec, entry):
+            gpus = entry.gpus if replica.gpus is None else replica.gpus
+            one = BackendSpec(**{**common, "gpus": gpus}, host=replica.host, url=replica.url)
+            out[replica_name(name, replica.host)] = _Engine(one, name, name, index)
+    return out
+
+
+def _pool_problems(spec: Inventory) -> Iterable[tuple[Loc, str]]:
+    """A pool's replicas: each on a host the file defines, one per host."""
+    for group, members in spec.groups.items():
+        for i, host in enumerate(members):
+            if host not in spec.hosts:
+                yield ("groups", group, i), unknown_name("host", host, spec.hosts)
+        if len(set(members)) != len(members):
+            yield ("groups", group), "lists a host more than once"
+    for name, entry in spec.backends.items():
+        if not isinstance(entry, PoolSpec):
+            continue
+        at: Loc = ("backends", name, "replicas")
+        if not isinstance(entry.replicas, list):
+            if entry.replicas.group not in spec.groups:
+                yield (*at, "group"), unknown_name("group", entry.replicas.group, spec.groups)
+            continue
+        seen: set[str] = set()
+        for i, replica in enumerate(entry.replicas):
+            if replica.host not in spec.hosts:
+                yield (*at, i, "host"), unknown_name("host", replica.host, spec.hosts)
+            elif replica.host in seen:
+                yield (*at, i, "host"), f"{replica.host} already runs a replica of {name}"
+            seen.add(replica.host)
 
 
 def evidence_password(spec: Inventory, base: Path) -> str | None:
@@ -156,7 +267,7 @@ def evidence_password(spec: Inventory, base: Path) -> str | None:
 def _register_secrets(spec: Inventory, base: Path) -> None:
     """Every secret value this inventory leads kdctl to hold, so none is printed or kept."""
     redact.register(evidence_password(spec, base))
-    owners: list[BackendSpec | RouterSpec] = list(spec.backends.values())
+    owners: list[EngineSpec | RouterSpec] = list(spec.backends.values())
     if spec.router is not None:
         owners.append(spec.router)
     for owner in owners:
@@ -190,7 +301,7 @@ def local_path(path: Path, base: Path) -> Path:
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
 
 
-def resolve_api_key(backend: BackendSpec | RouterSpec, base: Path) -> SecretStr | None:
+def resolve_api_key(backend: EngineSpec | RouterSpec, base: Path) -> SecretStr | None:
     if backend.api_key_env:
         value = (os.environ.get(backend.api_key_env) or "").strip()
         return SecretStr(value) if value else None
@@ -272,9 +383,7 @@ def _missing_files(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             yield ("hosts", name, "known_hosts"), f"{host.known_hosts} does not exist"
 
 
-def _key_problems(
-    owner: BackendSpec | RouterSpec, at: Loc, base: Path
-) -> Iterable[tuple[Loc, str]]:
+def _key_problems(owner: EngineSpec | RouterSpec, at: Loc, base: Path) -> Iterable[tuple[Loc, str]]:
     if owner.api_key_env and owner.api_key_file:
         yield (*at, "api_key_env"), "set api_key_env or api_key_file, not both"
     elif owner.api_key_env and not os.environ.get(owner.api_key_env):
@@ -295,45 +404,59 @@ def _key_problems(
             )
 
 
-def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
-    """What one model cannot see: names that point elsewhere, secrets, GPU arithmetic."""
+def _cross_check(
+    spec: Inventory, engines: Mapping[str, _Engine], base: Path
+) -> Iterable[tuple[Loc, str]]:
+    """What one model cannot see: names that point elsewhere, secrets, GPU arithmetic. A
+    problem common to a pool's replicas is said once, on the pool's line."""
+    seen: set[tuple[Loc, str]] = set()
+    for problem in _engine_problems(spec, engines, base):
+        if problem not in seen:
+            seen.add(problem)
+            yield problem
+    yield from _router_problems(spec, engines, base)
+
+
+def _engine_problems(
+    spec: Inventory, engines: Mapping[str, _Engine], base: Path
+) -> Iterable[tuple[Loc, str]]:
     hosts = spec.hosts
     kinds = backend_kinds()
     for name, host in hosts.items():
         if host.transport == "ssh" and not host.address:
             yield ("hosts", name), "an ssh host needs an 'address'"
     urls: dict[str, str] = {}
-    for name, be in spec.backends.items():
-        at: Loc = ("backends", name)
+    for name, engine in engines.items():
+        be, at = engine.spec, engine.at
         if be.kind not in kinds:
-            yield (*at, "kind"), f"unknown backend kind {be.kind!r} (known: {', '.join(kinds)})"
+            yield at("kind"), f"unknown backend kind {be.kind!r} (known: {', '.join(kinds)})"
         if be.host not in hosts:
-            yield (*at, "host"), unknown_name("host", be.host, hosts)
+            yield at("host"), unknown_name("host", be.host, hosts)
         if be.mode is not None and be.kind != "native":
-            yield (*at, "mode"), "only a 'native' backend has a mode"
+            yield at("mode"), "only a 'native' backend has a mode"
         if be.mode == "command" and not be.command:
-            yield at, "a native backend in command mode needs 'command' (the engine's binary)"
+            yield at(), "a native backend in command mode needs 'command' (the engine's binary)"
         if be.command is not None and be.mode != "command":
-            yield (*at, "command"), "'command' is for a native backend in command mode"
+            yield at("command"), "'command' is for a native backend in command mode"
         if be.command is not None:
             try:
                 if not be.command_argv:
-                    yield (*at, "command"), "must not be empty"
+                    yield at("command"), "must not be empty"
             except ValueError as exc:
-                yield (*at, "command"), f"cannot be split into arguments: {exc}"
+                yield at("command"), f"cannot be split into arguments: {exc}"
         needs_url = be.kind in _URL_KINDS or (be.kind == "native" and be.mode != "command")
         if needs_url and not be.url:
-            yield at, f"a {be.kind!r} backend needs a 'url'"
+            yield at("url") if engine.pool else at(), f"a {be.kind!r} backend needs a 'url'"
         if be.url:
             if be.url in urls:
-                yield (*at, "url"), f"{be.url} is already the URL of backend {urls[be.url]!r}"
+                yield at("url"), f"{be.url} is already the URL of backend {urls[be.url]!r}"
             urls.setdefault(be.url, name)
-        yield from _key_problems(be, at, base)
+        yield from _key_problems(be, at(), base)
         if len(set(be.gpus)) != len(be.gpus):
-            yield (*at, "gpus"), "lists a GPU more than once"
+            yield at("gpus"), "lists a GPU more than once"
         if be.gpus and be.tp_size > len(be.gpus):
             yield (
-                (*at, "tp_size"),
+                at("tp_size"),
                 (f"tp_size {be.tp_size} is larger than the {len(be.gpus)} GPU(s) listed in gpus"),
             )
         owner = hosts.get(be.host)
@@ -341,9 +464,18 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             for i, gpu in enumerate(be.gpus):
                 if gpu >= owner.gpus:
                     yield (
-                        (*at, "gpus", i),
+                        at("gpus", i),
                         (f"GPU {gpu} does not exist: host {be.host!r} has {owner.gpus} GPU(s)"),
                     )
+
+
+def _router_problems(
+    spec: Inventory, engines: Mapping[str, _Engine], base: Path
+) -> Iterable[tuple[Loc, str]]:
+    hosts = spec.hosts
+    # What a check may name: a backend, a pool, or one replica of a pool; a router sends to
+    # one engine.
+    named = {**spec.backends, **engines}
     if spec.router:
         yield from _key_problems(spec.router, ("router",), base)
         known = router_kinds()
@@ -354,11 +486,17 @@ def _cross_check(spec: Inventory, base: Path) -> Iterable[tuple[Loc, str]]:
             )
         if spec.router.host not in hosts:
             yield ("router", "host"), unknown_name("host", spec.router.host, hosts)
-        if spec.router.serving not in spec.backends:
+        if isinstance(spec.backends.get(spec.router.serving), PoolSpec):
+            yield (
+                ("router", "serving"),
+                f"{spec.router.serving} is a pool; the router sends to one backend, or to one "
+                "replica (POOL@HOST)",
+            )
+        elif spec.router.serving not in engines:
             yield ("router", "serving"), unknown_name("backend", spec.router.serving, spec.backends)
     for check_name, check in spec.gates.commands.items():
         for i, target in enumerate(check.backends or []):
-            if target not in spec.backends:
+            if target not in named:
                 yield (
                     ("gates", "commands", check_name, "backends", i),
                     unknown_name("backend", target, spec.backends),

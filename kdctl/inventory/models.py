@@ -105,7 +105,17 @@ def _listen(value: str) -> str:
     return value
 
 
+def _backend_ref(value: str) -> str:
+    pool, at, host = value.partition("@")
+    _name(pool)
+    if at:
+        _name(host)
+    return value
+
+
 Name = Annotated[str, AfterValidator(_name)]
+# A backend as another part of the inventory names it: NAME, or POOL@HOST for one replica.
+BackendRef = Annotated[str, AfterValidator(_backend_ref)]
 UnitName = Annotated[str, AfterValidator(_unit)]
 HostPath = Annotated[str, AfterValidator(_absolute)]
 EnvVar = Annotated[str, AfterValidator(_env_var)]
@@ -252,6 +262,8 @@ Service = Annotated[
 ]
 # Union tags pydantic puts in an error's location; a person names the field without them.
 UNION_TAGS = (
+    "backend:one",
+    "backend:pool",
     "systemd-unit",
     "command-line",
     "literal",
@@ -262,10 +274,11 @@ UNION_TAGS = (
 )
 
 
-class BackendSpec(_Model):
+class EngineSpec(_Model):
+    """What an engine is and how kdctl talks to it, wherever it runs: one backend on one host,
+    or every replica of a pool."""
+
     kind: str
-    host: Name
-    url: Annotated[str, AfterValidator(_url)] | None = None
     mode: Literal["http", "command"] | None = None
     api_key_env: EnvVar | None = None
     api_key_file: Path | None = None
@@ -287,10 +300,52 @@ class BackendSpec(_Model):
     def command_argv(self) -> list[str]:
         return [] if self.command is None else split_command(self.command)
 
+
+class BackendSpec(EngineSpec):
+    host: Name
+    url: Annotated[str, AfterValidator(_url)] | None = None
+
     def shares_gpus_with(self, other: BackendSpec) -> bool:
         """Whether the two need some of the same GPUs of one host: one must stop before the
         other can start."""
         return self.host == other.host and bool(set(self.gpus) & set(other.gpus))
+
+
+class Replica(_Model):
+    """One engine of a pool: its box, where it answers, and GPUs of its own where they differ
+    from the pool's."""
+
+    host: Name
+    url: Annotated[str, AfterValidator(_url)] | None = None
+    gpus: list[Annotated[int, Field(ge=0)]] | None = None
+
+
+class ReplicaGroup(_Model):
+    """One replica on every host of a group, each answering on the host's address."""
+
+    group: Name
+    port: Port
+    scheme: Literal["http", "https"] = "http"
+
+
+class PoolSpec(EngineSpec):
+    """The same engine on several boxes (each replica its own service, GPUs and identity),
+    behind one router. Loaded, each replica is a backend of its own named POOL@HOST."""
+
+    replicas: Annotated[list[Replica], Field(min_length=1)] | ReplicaGroup
+
+
+def _backend_tag(value: Any) -> str:
+    if isinstance(value, dict):
+        return "backend:pool" if "replicas" in value else "backend:one"
+    return "backend:pool" if isinstance(value, PoolSpec) else "backend:one"
+
+
+# A backend entry is one engine (host, url) or a pool of them (replicas).
+BackendEntry = Annotated[
+    Annotated[BackendSpec, Tag("backend:one")] | Annotated[PoolSpec, Tag("backend:pool")],
+    Discriminator(_backend_tag),
+]
 
 
 class RouterSpec(_Model):
@@ -301,7 +356,7 @@ class RouterSpec(_Model):
     kind: str
     host: Name
     listen: Annotated[str, AfterValidator(_listen)]
-    serving: Name
+    serving: BackendRef
     # The key the front door itself requires (a gateway with its own auth); unset, kdctl sends
     # the key of the backend the router weights most, which nginx passes through.
     api_key_env: EnvVar | None = None
@@ -485,8 +540,8 @@ class CommandCheck(_Command):
     workdir: HostPath | None = None
     timeout_s: Annotated[float, Field(gt=0)] = 600.0
     thresholds: dict[str, Threshold] = Field(min_length=1)
-    # The backends it judges; unset, every backend.
-    backends: list[Name] | None = None
+    # The backends it judges (a pool: each of its replicas); unset, every backend.
+    backends: list[BackendRef] | None = None
 
     def parsed(self) -> dict[str, tuple[str, float]]:
         return {metric: parse_threshold(text) for metric, text in self.thresholds.items()}
@@ -563,7 +618,9 @@ class EvidenceSettings(_Model):
 
 class Inventory(_Model):
     hosts: dict[Name, HostSpec]
-    backends: dict[Name, BackendSpec] = Field(default_factory=dict)
+    # Hosts that run the same thing: a pool's `replicas: {group: NAME, port: PORT}`.
+    groups: dict[Name, Annotated[list[Name], Field(min_length=1)]] = Field(default_factory=dict)
+    backends: dict[Name, BackendEntry] = Field(default_factory=dict)
     router: AnyRouterSpec | None = None
     gates: GateSettings = GateSettings()
     roadmap: Path | None = None

@@ -33,7 +33,8 @@ from kdctl.transports import Transport
 # What may reach the file: every value is checked against these before rendering, so no
 # inventory value can close a directive and open another.
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}$")
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# A backend's name, a pool's replica's (POOL@HOST) included.
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+(@[A-Za-z0-9_.-]+)?$")
 _WEIGHTS_LINE = re.compile(r"^# kdctl-weights: (\{.*\})$", re.MULTILINE)
 _SERVER = re.compile(r"^\s*server (\S+) weight=(\d+);$", re.MULTILINE)
 _DRAINING = re.compile(r"^\s*return 503 ", re.MULTILINE)

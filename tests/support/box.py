@@ -13,6 +13,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Mapping
@@ -21,6 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.sshd import SSHD, ensure_probe_user, keygen, write_sshd_config
+
+_WAIT_READY = """
+import sys, time, urllib.request
+for port in sys.argv[1:]:
+    deadline = time.monotonic() + 170
+    while True:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            sys.exit(f"127.0.0.1:{port} never answered 200")
+        time.sleep(0.2)
+"""
 
 
 def _run(*argv: str) -> None:
@@ -64,6 +80,13 @@ class Box:
                 return
             time.sleep(0.2)
         raise RuntimeError(f"nothing listens on {self.name}'s 127.0.0.1:{port}")
+
+    def wait_ready(self, *ports: int, timeout_s: float = 180.0) -> None:
+        """Until each HTTP server on the box's 127.0.0.1:PORT answers /health with 200 (a
+        reference server listens before its warm-up ends, answering 503 until then)."""
+        done = self.run([sys.executable, "-c", _WAIT_READY, *map(str, ports)], timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.name}: {done.stderr.strip()}")
 
     def host_entry(self, **extra: object) -> dict[str, object]:
         """An inventory `hosts:` entry reaching the box over SSH."""

@@ -12,6 +12,7 @@ demo: bootstrap
 test: bootstrap
 	@scripts/bootstrap-vllm
 	@scripts/bootstrap-sglang
+	@scripts/bootstrap-routers
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: bootstrap

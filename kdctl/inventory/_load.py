@@ -486,6 +486,9 @@ def _router_problems(
             )
         if spec.router.host not in hosts:
             yield ("router", "host"), unknown_name("host", spec.router.host, hosts)
+        for i, peer in enumerate(getattr(spec.router, "peers", [])):
+            if peer.host not in hosts:
+                yield ("router", "peers", i, "host"), unknown_name("host", peer.host, hosts)
         if isinstance(spec.backends.get(spec.router.serving), PoolSpec):
             yield (
                 ("router", "serving"),

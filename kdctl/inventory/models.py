@@ -363,13 +363,18 @@ class RouterSpec(_Model):
     api_key_file: Path | None = None
 
     def front_url(self, host: HostSpec) -> str:
-        """Where clients reach the router: its listen address, a wildcard one taken as its
-        host's (`host`, the spec of the host it runs on)."""
-        address, _, port = self.listen.rpartition(":")
-        address = address.strip("[]")
-        if address in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on
-            address = "127.0.0.1" if host.transport == "local" else (host.address or "127.0.0.1")
-        return f"http://{address}:{port}"
+        """Where clients reach the router (`host`, the spec of the host it runs on)."""
+        return listen_url(self.listen, host)
+
+
+def listen_url(listen: str, host: HostSpec) -> str:
+    """The URL of a server listening on ADDRESS:PORT on `host`: a wildcard address taken as
+    the host's."""
+    address, _, port = listen.rpartition(":")
+    address = address.strip("[]")
+    if address in ("0.0.0.0", "::", ""):  # noqa: S104 - the address it listens on
+        address = "127.0.0.1" if host.transport == "local" else (host.address or "127.0.0.1")
+    return f"http://{address}:{port}"
 
 
 class NginxRouterSpec(RouterSpec):
@@ -392,8 +397,21 @@ NGINX_ONLY_FIELDS = tuple(
 )
 
 
+class GatewayPeer(_Model):
+    """Another replica of SGLang's gateway in front of the same engines: it keeps a worker
+    registry of its own, which kdctl changes and reads back as it does the first's."""
+
+    host: Name
+    listen: Annotated[str, AfterValidator(_listen)]
+
+    def front_url(self, host: HostSpec) -> str:
+        return listen_url(self.listen, host)
+
+
 class SGLangRouterSpec(RouterSpec):
     kind: Literal["sglang-router"] = "sglang-router"
+    # The gateway's other replicas, where it runs several (they do not share registries).
+    peers: list[GatewayPeer] = Field(default_factory=list)
 
 
 def _router_tag(value: Any) -> str:

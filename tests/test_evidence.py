@@ -128,26 +128,32 @@ def test_freshness_by_age_and_by_provenance() -> None:
     hour = timedelta(hours=1)
     assert freshness(r, window=hour, current=PROV).fresh
     stale = freshness(r, window=timedelta(minutes=10), current=PROV)
-    assert not stale.fresh and stale.reason == "stale: 30m old, window 10m"
+    assert not stale.fresh and stale.changed == ("age",)
+    assert timedelta(minutes=29) < stale.age < timedelta(minutes=31)
+    assert stale.reason == "stale: 30m old, window 10m"  # what a status line shows
     changed = freshness(r, window=hour, current=PROV.model_copy(update={"config_hash": "d00d"}))
-    assert not changed.fresh and "config_hash c0ffee -> d00d" in changed.reason
+    assert not changed.fresh and changed.changed == ("config_hash",)
+    assert "config_hash c0ffee -> d00d" in changed.reason
     unknown = freshness(r, window=hour, current=PROV.model_copy(update={"engine_version": None}))
-    assert not unknown.fresh and "engine_version sglang 0.5.23 -> unknown" in unknown.reason
+    assert not unknown.fresh and unknown.changed == ("engine_version",)
+    assert "engine_version sglang 0.5.23 -> unknown" in unknown.reason
     tp = freshness(
         r, window=hour, current=PROV.model_copy(update={"tp_size": 4, "gpus": [0, 1, 2, 3]})
     )
-    assert "tp_size 8 -> 4" in tp.reason and "gpus" in tp.reason
+    assert not tp.fresh and tp.changed == ("gpus", "tp_size")
+    assert "tp_size 8 -> 4" in tp.reason
     # A record that names its host and baseline but not which machines they were (stripped,
     # hand-made) cannot count where the machines can be told apart now; nor one made elsewhere.
     here = PROV.model_copy(update={"host_id": "a1b2", "baseline_host_id": "a1b2"})
     unbound = freshness(r, window=hour, current=here)
-    assert not unbound.fresh
+    assert not unbound.fresh and unbound.changed == ("host_id", "baseline_host_id")
     assert "host_id: recorded without an identity, now a1b2" in unbound.reason
     assert "baseline_host_id: recorded without an identity" in unbound.reason
     bound = r.model_copy(update={"provenance": here})
     assert freshness(bound, window=hour, current=here).fresh
     other = freshness(bound, window=hour, current=here.model_copy(update={"host_id": "ffff"}))
-    assert not other.fresh and "host_id a1b2 -> ffff" in other.reason
+    assert not other.fresh and other.changed == ("host_id",)
+    assert "host_id a1b2 -> ffff" in other.reason
     # A recorded baseline is chosen by the same binding: one without the machine's identity
     # or its checkpoint's fingerprint, where the engine has them now, is not taken for it.
     now = here.model_copy(update={"weights": "9f9f"})
@@ -194,15 +200,18 @@ def test_a_result_holds_only_under_the_engine_settings_it_was_measured_with() ->
     assert freshness(measured, window=hour, current=drafting).fresh
     plain = PROV.with_settings({**args, "speculative_algorithm": None})
     off = freshness(measured, window=hour, current=plain)
-    assert not off.fresh and "speculative_algorithm EAGLE -> None" in off.reason
+    assert not off.fresh and off.changed == ("engine_settings",)
+    assert "speculative_algorithm EAGLE -> None" in off.reason
     # A setting not named still parts them, said as such.
     fcfs = freshness(
         measured, window=hour, current=PROV.with_settings({**args, "schedule_policy": "fcfs"})
     )
-    assert not fcfs.fresh and "an argument not named here" in fcfs.reason
+    assert not fcfs.fresh and fcfs.changed == ("engine_settings",)
+    assert "an argument not named here" in fcfs.reason
     # A result from before settings were recorded cannot say it ran under these.
     unbound = freshness(result(), window=hour, current=drafting)
-    assert not unbound.fresh and "recorded without the engine's settings" in unbound.reason
+    assert not unbound.fresh and unbound.changed == ("engine_settings",)
+    assert "recorded without the engine's settings" in unbound.reason
     # Nor can a recorded baseline run, which is then passed over.
     assert PROV.differs_from(drafting) == [
         f"engine_settings not recorded -> {drafting.engine_settings}"
@@ -214,7 +223,7 @@ def test_a_result_holds_only_under_the_engine_settings_it_was_measured_with() ->
     assert freshness(ratio, window=hour, current=compared).fresh
     retuned = drafting.with_baseline(PROV.with_settings({"cuda_graph_max_bs": 64}))
     moved = freshness(ratio, window=hour, current=retuned)
-    assert not moved.fresh
+    assert not moved.fresh and moved.changed == ("baseline_engine_settings",)
     assert "baseline's engine settings: cuda_graph_max_bs 8 -> 64" in moved.reason
     # A gate that asked no engine (a host's) owes none; an engine that cannot say its settings
     # (the OpenAI API has no such route) holds a result to none.
@@ -292,7 +301,8 @@ def test_one_currency_rule_for_every_answer(tmp_path: Path) -> None:
     assert same.fresh
     retuned = PROV.with_settings({"cuda_graph_max_bs": 64})
     moved = currency(compared, window=hour, current=PROV, live=True, ways=[], baseline=retuned)
-    assert not moved.fresh and "cuda_graph_max_bs 8 -> 64" in moved.reason
+    assert not moved.fresh and moved.changed == ("baseline_engine_settings",)
+    assert "cuda_graph_max_bs 8 -> 64" in moved.reason
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -230,6 +230,11 @@ def test_status_through_the_tunnel_names_the_engine_serving(boxed: Boxed, tmp_pa
     ssh = write_inventory(tmp_path / "ssh.yaml", inventory(boxed, http="ssh", router=False))
     serving = status(ssh)["answers"]["serving"]
     assert serving["state"] == "serving", serving
+    reached = {e["name"]: (e["state"], e["reached"]) for e in serving["engines"]}
+    assert reached == {
+        "baseline": ("up", "reached through SSH to box"),
+        "candidate": ("up", "reached through SSH to box"),
+    }, serving["engines"]
     assert "baseline (reached through SSH to box)" in serving["detail"]
     assert "candidate (reached through SSH to box)" in serving["detail"]
     text = kdctl("status", "-i", str(ssh))
@@ -240,6 +245,8 @@ def test_status_through_the_tunnel_names_the_engine_serving(boxed: Boxed, tmp_pa
     data["backends"]["candidate"]["url"] = f"http://{boxed.hidden}:{boxed.candidate_port}"
     fallback = write_inventory(tmp_path / "fallback.yaml", data)
     serving = status(fallback)["answers"]["serving"]
+    engines = {e["name"]: e for e in serving["engines"]}
+    assert engines["candidate"]["reached"] == "reached through SSH to box: no direct route"
     assert "candidate (reached through SSH to box: no direct route)" in serving["detail"], serving
 
 
@@ -269,6 +276,8 @@ def test_direct_is_unknown_and_unreachable_never_down_nor_nothing(
     routed = write_inventory(tmp_path / "routed.yaml", inventory(boxed, http="direct"))
     serving = status(routed)["answers"]["serving"]
     assert serving["state"] == "unknown", serving
+    # Refused from here, while a socket listens on the box: not known to serve or not.
+    assert (serving["front"]["answered"], serving["front"]["failure"]) == (None, "refused")
     assert "unreachable from here: connection refused" in serving["front"]["detail"]
 
 

@@ -174,8 +174,9 @@ def test_phases_follow_evidence_from_real_gates(setup: Any, tmp_path: Path) -> N
     # The same criteria judge another candidate: INT4 weights break strict exactness.
     code, doc = phases(inv, "--candidate", "candidate-int4", "--run")
     assert code == 1 and statuses(doc)["exact"] == "remaining"
-    blocking = doc["answers"]["cutover"]["blocking"]
-    assert any(b.startswith("exact/exactness:candidate-int4: fail") for b in blocking), blocking
+    blockers = doc["answers"]["cutover"]["blockers"]
+    found = {(b["kind"], b["phase"], b["criterion"]) for b in blockers}
+    assert ("fail", "exact", "exactness:candidate-int4") in found, blockers
 
     # A logprob-close result does not satisfy a criterion that pins strict.
     assert (
@@ -211,8 +212,13 @@ def test_phases_follow_evidence_from_real_gates(setup: Any, tmp_path: Path) -> N
     code, doc = phases(short)
     assert code == 1 and statuses(doc)["serving"] == "to_reverify"
     health = doc["phases"][0]["criteria"][0]
-    assert health["state"] == "stale" and health["reason"].startswith("stale: ")
-    assert doc["answers"]["cutover"]["blocking"][0].startswith("serving/health:candidate: stale")
+    assert health["state"] == "stale" and health["stale_by"] == ["age"], health
+    first = doc["answers"]["cutover"]["blockers"][0]
+    assert (first["kind"], first["phase"], first["criterion"]) == (
+        "stale",
+        "serving",
+        "health:candidate",
+    ), first
 
 
 def test_a_newer_failure_undoes_a_pass(setup: Any, tmp_path: Path) -> None:

@@ -161,6 +161,11 @@ def _details(text: str) -> str:
     return " ".join(text[start:end].split())
 
 
+def _engines(serving: dict[str, Any]) -> dict[str, tuple[str, int, bool | None]]:
+    """Each engine asked on its own URL: its state, routed weight, and whether it generated."""
+    return {e["name"]: (e["state"], e["weight"], e["generated"]) for e in serving["engines"]}
+
+
 def _words(line: str) -> str:
     return re.sub(r"measured [\w ]+ ago", "measured N ago", re.sub(r"\d+ ms", "N ms", line))
 
@@ -217,7 +222,9 @@ def test_baseline_stopped_router_up_is_nothing(
     assert got["line"] == "1. Serving now: nothing (the router on 127.0.0.1:" + str(front.port) + (
         " answered HTTP 502: no engine behind it answered; baseline down)."
     ), got["line"]
-    assert "no engine behind it answered" in got["said"]
+    # nginx's 502: the front answered, no engine behind it did.
+    assert s["front"]["status_code"] == 502 and s["front"]["failure"] is None, s["front"]
+    assert _engines(s) == {"baseline": ("down", 100, None), "candidate": ("up", 0, True)}, s
     assert "baseline (weight 100) is down (connection refused)" in got["said"]
     assert "candidate is up and receives no traffic" in got["said"]
 
@@ -253,6 +260,8 @@ def test_an_engine_that_fails_every_generation_serves_nothing(
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None), s
     assert s["front"]["route"] == "/generate" and s["front"]["status_code"] == 500
     assert "answered HTTP 500 to /generate" in got["said"], got["line"]
+    # Its health answers; its one-token generation fails.
+    assert _engines(s)["baseline"] == ("up", 100, False), s["engines"]
     assert "a one-token generation fails" in got["said"], got["line"]
     assert got["cutover"] is False
 
@@ -327,6 +336,7 @@ def test_router_stopped_is_nothing_even_with_engines_up(
     s = got["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
     assert s["routed"]["weights"] == {"baseline": 100}
+    assert s["front"]["failure"] == "refused", s["front"]
     assert f"The router on 127.0.0.1:{front.port} refuses connections" in got["said"]
     assert "baseline" not in got["said"].split("Serving: ")[1].split(".")[0]
 
@@ -339,8 +349,8 @@ def test_both_stopped_is_nothing(tmp_path: Path, need_nginx: str, closed_port: s
     got = front.ask()
     s = got["serving"]
     assert (s["state"], s["answered"]) == ("nothing", False)
-    assert "refuses connections" in got["said"]
-    assert "baseline (weight 100) is down" in got["said"]
+    assert s["front"]["failure"] == "refused", s["front"]
+    assert _engines(s) == {"baseline": ("down", 100, None), "candidate": ("down", 0, None)}, s
     assert got["cutover"] is False
 
 
@@ -361,7 +371,7 @@ def test_candidate_up_but_routed_nothing(
         f"Serving: baseline through nginx on 127.0.0.1:{front.port} (answered /generate in"
         in (got["said"])
     )
-    assert "candidate is up and receives no traffic" in got["said"]
+    assert _engines(s)["candidate"] == ("up", 0, True), s["engines"]
 
 
 def test_a_split_says_so_and_judges_the_engine_carrying_most(
@@ -379,6 +389,7 @@ def test_a_split_says_so_and_judges_the_engine_carrying_most(
         front.stop()
     s = json.loads(run.out)["answers"]["serving"]
     assert s["state"] == "serving" and s["backend"] in ("baseline", "candidate")
+    assert s["routed"]["weights"] == {"baseline": 95, "candidate": 5}, s["routed"]
     assert "the router splits traffic (baseline 95%, candidate 5%)" in s["detail"]
     assert (s["speed_of"], s["speed_share"], s["speed_optimized"]) == ("baseline", 95, "baseline")
     assert "speed of baseline, 95% of traffic: the baseline" in " ".join(text.split())
@@ -405,7 +416,7 @@ def test_hand_edited_config_reports_what_runs(
     assert "written, not applied" in written["said"]
     s = applied["serving"]
     assert (s["state"], s["answered"], s["backend"]) == ("nothing", False, None)
-    assert "candidate (weight 100) is down" in applied["said"]
+    assert _engines(s)["candidate"] == ("down", 100, None), s["engines"]
 
 
 def test_rollback_to_an_engine_that_does_not_answer_is_not_said_done(
@@ -445,6 +456,8 @@ def test_rollback_to_an_engine_that_does_not_answer_is_not_said_done(
     # Nothing to write: the router was not touched, only asked.
     assert latest is not None
     assert not any(s.kind == "rollback-set-weights" for s in latest.steps), latest.steps
+    # Not said done: the cutover stands in the journal as it was, not rolled back.
+    assert latest.state == "succeeded", latest
     assert "still answers from [None, None, None], not only ['baseline']" in back.err, back.err
 
 
@@ -462,7 +475,7 @@ def test_no_router_reports_which_engines_answer(
         None,
     )
     assert "no router in the inventory; answering on their own URLs: baseline" in got["said"]
-    assert "candidate is down" in got["said"]
+    assert _engines(s)["candidate"] == ("down", 0, None), s["engines"]
 
 
 def test_engine_that_never_answers_ends_within_the_deadline(
@@ -479,6 +492,7 @@ def test_engine_that_never_answers_ends_within_the_deadline(
     assert run.code == 0, run.err
     s = json.loads(run.out)["answers"]["serving"]
     assert (s["state"], s["answered"]) == ("nothing", False)
+    assert s["front"]["failure"] == "timeout", s["front"]
     assert "did not answer within 2s" in s["detail"]
     baseline = next(e for e in s["engines"] if e["name"] == "baseline")
     assert baseline["state"] == "unknown" and "no answer within" in baseline["detail"]
@@ -533,6 +547,7 @@ def test_speed_comes_from_the_roadmaps_criterion_only(
         "candidate",
         "unmeasured",
     )
+    assert s["speed_criterion"] == "throughput:candidate", s
     assert "unmeasured by throughput:candidate" in unmeasured["said"]
     s = measured["serving"]
     assert (s["backend"], s["speed_optimized"]) == ("candidate", "yes")
@@ -595,8 +610,10 @@ def test_candidate_wedged_or_down_blocks_the_cutover_in_every_answer(
         assert got["cutover"] is False
         assert got["serving"]["backend"] == "baseline"
     status = kdctl("status", "-i", str(front.inv), "--json", "--timeout", "2")
-    blocking = json.loads(status.out)["answers"]["cutover"]["blocking"]
-    assert any("candidate is not answering" in b for b in blocking), blocking
+    blockers = json.loads(status.out)["answers"]["cutover"]["blockers"]
+    # Traffic cannot move to an engine that does not answer: the first blocker.
+    assert blockers[0]["kind"] == "not-answering", blockers
+    assert blockers[0]["reason"].startswith("candidate is not answering"), blockers
 
 
 def test_a_split_whose_heavier_engine_has_died_judges_no_speed(
@@ -642,4 +659,5 @@ def test_a_split_whose_heavier_engine_has_died_judges_no_speed(
         75,
         "unmeasured",
     ), s
+    assert _engines(s)["candidate"][:2] == ("down", 75), s["engines"]
     assert "candidate, 75% of the traffic by the router's weights, does not generate" in s["speed"]

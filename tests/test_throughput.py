@@ -162,13 +162,20 @@ def test_a_broken_slo_fails_and_says_which(inventory: Any) -> None:
     inv = inventory(slo_ttft_ms=0.001, slo_percentile="p50")
     code, result = gate(inv, "candidate")
     assert code == 1 and result["verdict"] == "fail"
+    # Which SLO broke: each concurrency's p50 TTFT, above its threshold.
+    ttft = [m for m in result["metrics"] if m["name"].endswith(".p50_ttft_ms")]
+    assert [m["name"] for m in ttft] == ["c1.p50_ttft_ms", "c4.p50_ttft_ms"], ttft
+    assert all(m["threshold"] == 0.001 and m["value"] > 0.001 for m in ttft), ttft
     assert any("p50 TTFT" in r and "breaks the SLO of 0.001 ms" in r for r in result["reasons"])
 
 
 def test_nothing_to_compare_with_is_inconclusive_not_pass(inventory: Any) -> None:
     code, result = gate(inventory(), "candidate")
     assert code == 1 and result["verdict"] == "inconclusive"
-    assert any("nothing to judge" in r for r in result["reasons"])
+    # No baseline, no SLO: no ratio, and no figure with a threshold but the failures allowed.
+    assert result["baseline"] is None and result["metrics"], result
+    judged = {m["name"] for m in result["metrics"] if m["threshold"] is not None}
+    assert judged == {"c1.failed", "c4.failed"}, result["metrics"]
 
 
 def test_a_live_baseline_when_none_is_recorded_and_a_down_candidate(inventory: Any) -> None:
@@ -240,6 +247,8 @@ def test_a_run_whose_every_request_failed_fails_whatever_the_allowance(inventory
     )
     code, result = gate(inv, "candidate")
     assert code == 1 and result["verdict"] == "fail", result["reasons"]
+    points = result["details"]["points"]
+    assert [(p["completed"], p["failed"]) for p in points] == [(0, PROMPTS)] * 2, points
     for c in (1, 4):
         assert any(
             r.startswith(
@@ -265,6 +274,8 @@ def test_an_slo_that_could_not_be_measured_is_inconclusive(inventory: Any) -> No
     assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
     (point,) = result["details"]["points"]
     assert point["completed"] == 4 and point["failed"] == 0
+    itl = {m["name"]: m for m in result["metrics"]}["c2.p99_itl_ms"]
+    assert (itl["value"], itl["threshold"]) == (None, 60_000), itl
     assert (
         "concurrency 2: p99 ITL was not measured (no request streamed a second token), so its "
         "SLO of 60000 ms could not be judged"
@@ -476,6 +487,8 @@ def test_figures_count_the_tokens_delivered_and_a_short_run_is_not_judged(
         ) in result["reasons"]
         code, result = gate(inv, "short", "--baseline", "baseline")
         assert code == 1 and result["verdict"] == "inconclusive", result["reasons"]
+        points = result["details"]["points"]
+        assert [p["short_outputs"] for p in points] == [PROMPTS] * 2, points
         assert (
             f"concurrency 4: {PROMPTS} of {PROMPTS} requests to short stopped before the "
             f"{OUTPUT_LEN} output tokens asked (ignore_eos is set), so it ran a shorter workload "

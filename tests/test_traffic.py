@@ -37,6 +37,13 @@ from tests.support.traffic import ROADMAP, Load, promotion, weights
 need_module("torch", "reference")
 
 
+def _promotion_details(inv: str) -> dict[str, Any]:
+    """The newest promotion result's record of the cutover it ends: its id, strategy and the
+    backend traffic moved from."""
+    listed = kdctl("evidence", "list", "--gate", "promotion", "--json", "-i", inv)
+    return dict(json.loads(listed.out)["results"][0]["details"])
+
+
 def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, Any]) -> None:
     inv = str(front["inv"])
     refused = kdctl("cutover", "--to", "candidate", "--yes", "-i", inv)
@@ -59,15 +66,22 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
         bg = kdctl("cutover", "--to", "candidate", "--strategy", "blue-green", "--yes", "-i", inv)
         assert bg.code == 0, bg.out + bg.err
         assert "succeeded" in bg.out and weights(front["include"]) == {"candidate": 100}
+        from kdctl.traffic import SqliteJournal
+
+        with SqliteJournal(front["inv"].parent / "state") as journal:
+            moved_bg = journal.latest()
+        assert moved_bg is not None and moved_bg.state == "succeeded", moved_bg
         promoted = promotion(inv)
         assert (promoted["verdict"], promoted["weight"]) == ("pass", 100)
-        assert "(blue-green from baseline): all traffic moved to candidate" in promoted["reason"]
+        bg_details = {"cutover": moved_bg.id, "from": "baseline", "strategy": "blue-green"}
+        assert _promotion_details(inv) == bg_details
         time.sleep(1)
         back = kdctl("rollback", "--yes", "-i", inv)
         assert back.code == 0, back.out + back.err
         assert weights(front["include"]) == {"baseline": 100}
         demoted = promotion(inv)
         assert (demoted["verdict"], demoted["weight"]) == ("fail", 0)
+        assert _promotion_details(inv) == bg_details  # the same cutover, undone
         assert demoted["reason"].endswith("rolled back to baseline (kdctl rollback)")
         time.sleep(1)
         canary = kdctl(
@@ -130,7 +144,7 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
         router = NginxRouter(loaded, loaded.spec.router, pool.get("local"))  # type: ignore[arg-type]
         router.apply({"baseline": 100})
     held = moved()
-    assert held["state"] == "stale", held
+    assert held["state"] == "stale" and held["stale_by"] == ["front"], held
     assert "the front answers from baseline now" in held["reason"], held["reason"]
 
 
@@ -187,7 +201,7 @@ def test_values_that_would_inject_directives_are_rejected(front: dict[str, Any])
     evil = BackendSpec.model_construct(
         kind="sglang", host="local", url="http://127.0.0.1:1/;}server{listen 9", gpus=[], tp_size=1
     )
-    inv.spec.backends["baseline"] = evil  # type: ignore[index]
+    inv.engines["baseline"] = evil  # type: ignore[index]
     with TransportPool(inv) as pool:
         router = NginxRouter(inv, inv.spec.router, pool.get("local"))  # type: ignore[arg-type]
         with pytest.raises(InputError, match="nginx fronts plain"):
@@ -222,7 +236,8 @@ def test_candidate_killed_mid_canary_rolls_back(
     assert run.code == 1, run.out + run.err
     outcome = json.loads(run.out)
     assert outcome["state"] == "rolled_back"
-    assert "SLO breach during the canary" in outcome["reason"]
+    # The window that ended the canary names the SLOs it broke.
+    assert outcome["watches"] and outcome["watches"][-1].get("broke"), outcome["watches"]
     demoted = promotion(inv)
     assert (demoted["verdict"], demoted["weight"]) == ("fail", 0)
     assert "rolled back to baseline: SLO breach during the canary" in demoted["reason"]
@@ -370,6 +385,8 @@ def test_sglang_router_confirms_only_an_engine_that_generates_through_it(
                 "serving"
             ]
             assert serving["backend"] is None, serving
+            routed = {name.rstrip("/") for name in serving["routed"]["weights"]}
+            assert routed == {"baseline", stranger}, serving["routed"]
             assert f"the router also sends traffic to {stranger}" in serving["detail"], serving
             (listed,) = [
                 w for w in httpx.get(front + "/workers").json()["workers"] if w["url"] == stranger

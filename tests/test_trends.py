@@ -254,7 +254,10 @@ def test_no_date_from_points_minutes_apart(tmp_path: Path) -> None:
     """Three runs minutes apart put 1.0 a quarter of an hour away: noise, not a trend."""
     inv = _setup(tmp_path, [(0.003, 0.82, "b1"), (0.002, 0.83, "b1"), (0.001, 0.84, "b1")])
     c, _ = _criterion(inv)
-    assert c["trend"]["eta"] is None and "under a day" in c["trend"]["reason"], c["trend"]
+    t = c["trend"]
+    # Enough points (three), too short a span: no direction, no date.
+    assert (t["direction"], t["points"], t["eta"]) == ("too few points", 3, None), t
+    assert "under a day" in t["reason"], t
 
 
 def test_no_date_from_a_crossing_already_past(tmp_path: Path) -> None:
@@ -262,8 +265,11 @@ def test_no_date_from_a_crossing_already_past(tmp_path: Path) -> None:
     date would be in the past, so there is none."""
     inv = _setup(tmp_path, [(120, 0.5, "b1"), (110, 0.7, "b2"), (100, 0.9, "b3")])
     c, answers = _criterion(inv)
-    assert c["trend"]["eta"] is None, c["trend"]
-    assert "before now" in c["trend"]["reason"], c["trend"]["reason"]
+    t = c["trend"]
+    # Moving toward the threshold and not there: only a crossing behind now leaves no date.
+    assert (t["direction"], t["eta"], c["met"]) == ("toward", None, False), t
+    assert t["slope_per_day"] > 0 and t["history"][-1]["value"] < 1.0, t
+    assert "before now" in t["reason"], t["reason"]
     assert answers["cutover"]["soon"]["eta"] is None
 
 

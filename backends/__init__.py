@@ -10,6 +10,7 @@ from kdctl.backends._registry import backend_class, make_backend
 from kdctl.backends._types import (
     EngineCounters,
     EngineInfo,
+    EngineLoad,
     FinishReason,
     GenerateRequest,
     GenerateResult,
@@ -32,6 +33,7 @@ __all__ = [
     "Backend",
     "EngineCounters",
     "EngineInfo",
+    "EngineLoad",
     "FinishReason",
     "GenerateRequest",
     "GenerateResult",

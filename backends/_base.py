@@ -14,6 +14,7 @@ from pydantic import SecretStr
 from kdctl.backends._types import (
     EngineCounters,
     EngineInfo,
+    EngineLoad,
     GenerateRequest,
     GenerateResult,
     SpecCounters,
@@ -46,6 +47,10 @@ class Backend(abc.ABC):
     # requests served and of its TTFT histogram, where its kind exports them.
     requests_counter: ClassVar[str | None] = None
     ttft_histogram: ClassVar[str | None] = None
+    # The gauges of requests running and waiting (SGLang's num_running_reqs, vLLM's
+    # num_requests_running): what a drain waits on and what headroom is judged by.
+    running_gauge: ClassVar[str | None] = None
+    queued_gauge: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -118,6 +123,24 @@ class Backend(abc.ABC):
         if requests is None and not buckets:
             return None
         return EngineCounters(requests=requests, ttft_buckets=buckets)
+
+    def load(self) -> EngineLoad | None:
+        """Requests running and queued now, summed over labels, from the engine's metrics;
+        None where it exports no running gauge."""
+        if self.running_gauge is None:
+            return None
+        families = self.metrics()
+
+        def gauge(name: str | None) -> float | None:
+            family = families.get(name or "")
+            if family is None:
+                return None
+            return float(sum(s.value for s in family.samples if s.name == name))
+
+        running = gauge(self.running_gauge)
+        if running is None:
+            return None
+        return EngineLoad(running=running, queued=gauge(self.queued_gauge))
 
     def spec_counters(self) -> SpecCounters | None:
         """The engine's running totals of speculative decoding, where its metrics export them

@@ -122,6 +122,19 @@ class SpecCounters:
         return round(generated / steps, 3)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine has in hand now, from its own gauges (`Backend.load()`): requests being
+    decoded, and those waiting for a slot where it says (None: not exported, not zero)."""
+
+    running: float
+    queued: float | None
+
+    @property
+    def total(self) -> float:
+        return self.running + (self.queued or 0.0)
+
+
 @dataclass(frozen=True)
 class EngineCounters:
     """An engine's request counter and its TTFT histogram's cumulative buckets ({le: count}),

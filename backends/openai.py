@@ -50,6 +50,8 @@ class OpenAIBackend(HttpBackend):
     # neither, and its counters are then not read.
     requests_counter = "vllm:request_success"
     ttft_histogram = "vllm:time_to_first_token_seconds"
+    running_gauge = "vllm:num_requests_running"
+    queued_gauge = "vllm:num_requests_waiting"
     _model: str | None = None
 
     def _card(self) -> dict[str, Any]:

@@ -290,14 +290,23 @@ def _confirmer(yes: bool) -> Callable[[str], bool]:
 def cutover_cmd(
     to: Annotated[str | None, typer.Option("--to", help="The backend to move traffic to.")] = None,
     strategy: Annotated[
-        Literal["blue-green", "canary", "swap"] | None,
-        typer.Option("--strategy", help="[default: chosen by the plan]"),
+        Literal["blue-green", "canary", "swap", "rolling"] | None,
+        typer.Option("--strategy", help="[default: chosen by the plan; rolling for a pool]"),
     ] = None,
+    max_unavailable: Annotated[
+        int,
+        typer.Option(
+            "--max-unavailable", min=1, help="Rolling: boxes taken out of the pool at a time."
+        ),
+    ] = 1,
     steps: Annotated[
         str, typer.Option("--steps", help="Canary weights, percent, rising to 100.")
     ] = "5,25,50,100",
     watch: Annotated[
-        float, typer.Option("--watch", min=0, help="Seconds of SLO watch between canary steps.")
+        float,
+        typer.Option(
+            "--watch", min=0, help="Seconds of SLO watch between canary steps, or after a wave."
+        ),
     ] = 10.0,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan; change nothing.")
@@ -332,6 +341,7 @@ def cutover_cmd(
             force=force,
             dry_run=dry_run,
             resume=resume,
+            max_unavailable=max_unavailable,
             on_step=None
             if json_
             else lambda i, step: err_print(f"step {i + 1}: {step.describe()}"),
@@ -354,7 +364,7 @@ def rollback_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """Back to the backend that served before the last cutover: no gates, one router write,
-    confirmed by reading the router back."""
+    confirmed by reading the router back; a rolling cutover's boxes one at a time."""
     from kdctl.cutover import rollback
 
     inv = _load(inventory, state_dir)

@@ -1,6 +1,7 @@
 """Moving traffic: the plan (`plan`: strategy and steps), the canary's analysis (`analysis`),
-the runner that executes a plan under the lock with every step journaled (`runner`), and
-cutover, resume and rollback as the CLI runs them (`operations`). The router drivers and the
+the runner that executes a plan under the lock with every step journaled (`runner`), a
+rolling cutover's steps on a box and its pause (`rolling`), and cutover, resume and rollback as
+the CLI runs them (`operations`). The router drivers and the
 journal it writes through stay in `kdctl.traffic`, a layer below the readiness answers this
 package consults."""
 

@@ -6,6 +6,7 @@ step from its metrics."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, model_serializer
@@ -84,10 +85,17 @@ class WatchResult(BaseModel):
         return said + (f"; {self.engine_note}" if self.engine_note else "")
 
 
-def watch_front(inv: LoadedInventory, router: Router, to: str, seconds: float) -> WatchResult:
+def watch_front(
+    inv: LoadedInventory,
+    router: Router,
+    to: str,
+    seconds: float,
+    *,
+    also_healthy: Sequence[str] = (),
+) -> WatchResult:
     """A probe load through the front for `seconds`: every request must succeed, and TTFT
-    and ITL must hold the inventory's SLOs; the candidate `to` must stay healthy. The first
-    window that breaks one ends the watch, its breaches in the result."""
+    and ITL must hold the inventory's SLOs; the candidate `to` (and `also_healthy`) must stay
+    healthy. The first window that breaks one ends the watch, its breaches in the result."""
     settings = inv.spec.gates.throughput
     pct = settings.slo_percentile
     # The probes speak the candidate's protocol (SGLang's /generate, the OpenAI API, ...)
@@ -118,11 +126,13 @@ def watch_front(inv: LoadedInventory, router: Router, to: str, seconds: float) -
             failed += m.failed
             worst_ttft = _worst(worst_ttft, getattr(m.ttft_ms, pct))
             worst_itl = _worst(worst_itl, getattr(m.itl_ms, pct))
-            with http_client() as client:
-                health = probe_health(client, inv.backends[to].url or "", api_key=inv.api_key(to))
             broke = _breaches(m, pct, settings.slo_ttft_ms, settings.slo_itl_ms)
-            if health.state != "up":
-                broke.append(f"{to} health {health.state}: {health.detail}")
+            with http_client() as client:
+                for name in (to, *also_healthy):
+                    url = inv.backends[name].url or ""
+                    health = probe_health(client, url, api_key=inv.api_key(name))
+                    if health.state != "up":
+                        broke.append(f"{name} health {health.state}: {health.detail}")
             if broke:
                 return WatchResult(
                     percentile=pct,

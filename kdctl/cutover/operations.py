@@ -17,6 +17,7 @@ from kdctl.cutover.plan import (
     plan_cutover,
     step_from,
 )
+from kdctl.cutover.rolling import RollingRunner, back_on_old, boxes_of, first_of_box
 from kdctl.cutover.runner import CutoverOutcome, Runner, preflight, restore
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
@@ -48,6 +49,7 @@ def cutover(
     force: bool = False,
     dry_run: bool = False,
     resume: bool = False,
+    max_unavailable: int = 1,
     on_step: Callable[[int, Step], None] | None = None,
     session: Session | None = None,
 ) -> Plan | CutoverOutcome:
@@ -58,17 +60,26 @@ def cutover(
             return _resume(inv, store, router, journal, s, confirm, on_step, force)
         if to is None:
             raise InputError("--to: which backend to cut over to")
-        plan = plan_cutover(
-            inv, router, router.read(), to, strategy=strategy, weights=steps, watch_s=watch_s
-        )
+
+        def planned() -> Plan:
+            return plan_cutover(
+                inv,
+                router,
+                router.read(),
+                to,
+                strategy=strategy,
+                weights=steps,
+                watch_s=watch_s,
+                max_unavailable=max_unavailable,
+            )
+
+        plan = planned()
         if dry_run:
             return plan
         # The lock is held from the readiness assessment to the last step, as terraform holds
         # its state lock across the prompt: no other cutover can change what was assessed.
         with journal.locked():
-            plan = plan_cutover(
-                inv, router, router.read(), to, strategy=strategy, weights=steps, watch_s=watch_s
-            )
+            plan = planned()
             blocking = _cleared(inv, store, to, s, force, f"cutover to {to}")
             question = (
                 f"Cut over from {plan.from_backend} to {to} "
@@ -93,10 +104,14 @@ def cutover(
             )
             if blocking:
                 journal.step(cid, -1, "force", {"unmet": blocking}, "done", "forced past preflight")
-            runner = Runner(
+            runner = _runner(plan)(
                 inv, router, journal, store, s, on_step=on_step, forced=force or bool(blocking)
             )
             return runner.run(cid, plan)
+
+
+def _runner(plan: Plan) -> type[Runner]:
+    return RollingRunner if plan.strategy == "rolling" else Runner
 
 
 # How long a preflight's assessment stands while a confirmation is awaited; past it, the
@@ -113,9 +128,14 @@ def _cleared(
     what: str,
     then: str = "",
 ) -> list[str]:
-    """The criteria that keep `to` out, assessed now; Refused when there are any and nothing
-    forces past them, with `then` saying what the traffic is left doing."""
-    blocking = preflight(inv, store, to, session=session)
+    """The criteria that keep `to` out, assessed now (a pool: each replica, by its own
+    evidence); Refused when there are any and nothing forces past them, with `then` saying what
+    the traffic is left doing."""
+    blocking = [
+        f"{name}: {why}" if name != to else why
+        for name in inv.members(to)
+        for why in preflight(inv, store, name, session=session)
+    ]
     if blocking and not force:
         raise Refused(
             f"{what} refused: "
@@ -140,7 +160,8 @@ def _resume(
         # Only the operator's last order is resumed: an older interrupted cutover was replaced
         # by whatever came after it.
         record = journal.latest()
-        if record is None or record.state != "running":
+        paused = record is not None and record.state == "paused"
+        if record is None or (record.state != "running" and not paused):
             said = f"; the newest, {record.id}, {record.state}" if record else ""
             raise InputError(f"no interrupted cutover in the journal{said}")
         journal.supersede(f"superseded by cutover {record.id}", keep=record.id)
@@ -164,6 +185,8 @@ def _resume(
                 reason="rollback resumed",
                 router=state,
             )
+        if plan.strategy == "rolling":
+            return _resume_rolling(inv, store, router, journal, session, confirm, on_step, force)
         expected = _resumable_weights(plan, record)
         if live.weights not in expected:
             raise Refused(
@@ -204,6 +227,54 @@ def _resume(
             inv, router, journal, store, session, on_step=on_step, forced=force or bool(blocking)
         )
         return runner.run(record.id, plan, skip=record.done_steps)
+
+
+def _resume_rolling(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    router: Router,
+    journal: Journal,
+    session: Session,
+    confirm: Confirm,
+    on_step: Callable[[int, Step], None] | None,
+    force: bool,
+) -> CutoverOutcome:
+    """A rolling cutover goes on from the box (or wave) it stopped at, from that box's first
+    step: each step acts on what it finds (out of the routers, stopped, started), so one
+    interrupted halfway is done again, never assumed done."""
+    record = journal.latest()
+    assert record is not None
+    plan = _journaled_plan(record, "resumed from the journal")
+    done = record.done_steps
+    pending = [i for i in range(len(plan.steps)) if i not in done]
+    if not pending:
+        raise InputError(f"cutover {record.id} has no step left to run")
+    start = first_of_box(plan, pending[0])
+    live = router.read()
+    for name in live.serving:
+        if inv.pool_of(name) not in (plan.from_backend, plan.to_backend):
+            raise Refused(
+                f"cutover {record.id} cannot be resumed: the router sends to {name}, which is "
+                f"in neither {plan.from_backend} nor {plan.to_backend}; something else changed "
+                "it since. Nothing changed"
+            )
+    blocking = _cleared(
+        inv, store, plan.to_backend, session, force or record.forced, f"resuming {record.id}"
+    )
+    question = (
+        f"Resume rolling cutover {record.id} to {plan.to_backend} at step {start + 1} of "
+        f"{len(plan.steps)} ({plan.steps[start].describe()}); the router now sends to "
+        f"{', '.join(live.serving)}?"
+    )
+    if blocking:
+        question = f"FORCE past {len(blocking)} unmet criteria: " + question
+    if not confirm(question):
+        raise Refused("resume not confirmed; nothing changed")
+    journal.reopen(record.id)
+    runner = RollingRunner(
+        inv, router, journal, store, session, on_step=on_step, forced=force or bool(blocking)
+    )
+    return runner.run(record.id, plan, skip=set(range(start)))
 
 
 def _resumable_weights(plan: Plan, record: CutoverRecord) -> list[dict[str, int]]:
@@ -257,6 +328,8 @@ def rollback(
                 raise InputError("no cutover in the journal to roll back")
             plan = _journaled_plan(record, "rollback")
             live = router.read()
+            if plan.strategy == "rolling":
+                return _rollback_rolling(inv, store, router, journal, s, record, confirm, started)
             unchanged = live.weights == {record.from_backend: 100} and not live.draining
             if unchanged and live.applied is not False:
                 # Nothing to write, but the old engine must still be seen answering through
@@ -282,6 +355,42 @@ def rollback(
             return record.from_backend, state
 
 
+def _rollback_rolling(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    router: Router,
+    journal: Journal,
+    session: Session,
+    record: CutoverRecord,
+    confirm: Confirm,
+    started: datetime,
+) -> tuple[str, RouterState]:
+    """Every box a rolling cutover moved back on its old engine, last moved first, one box at
+    a time, each confirmed; the pool it came from serving alone again."""
+    plan = _journaled_plan(record, "rollback")
+    live = router.read()
+    moved = [
+        b for b in reversed(boxes_of(plan)) if b.new in live.serving or b.old not in live.serving
+    ]
+    if moved and not confirm(
+        f"Roll back {len(moved)} box(es) to {record.from_backend} "
+        f"({', '.join(b.old for b in moved)}); the router now sends to {', '.join(live.serving)}?"
+    ):
+        raise Refused("rollback not confirmed; nothing changed")
+    journal.step(record.id, 999, "rollback-ordered", {}, "done", "kdctl rollback")
+    for box in moved:
+        back_on_old(inv, router, session, box, journal, record.id)
+    state = router.confirm(router.read().weights)
+    if record.state in ("running", "paused"):
+        journal.finish(record.id, "rolled_back", "kdctl rollback")
+    journal.supersede(f"superseded by the rollback of {record.id}")
+    for box in boxes_of(plan):
+        store.record(
+            _rolled_back(inv, session, record, state, started, "kdctl rollback", box.new, box.old)
+        )
+    return record.from_backend, state
+
+
 def _rolled_back(
     inv: LoadedInventory,
     session: Session,
@@ -289,14 +398,18 @@ def _rolled_back(
     state: RouterState,
     started: datetime,
     how: str,
+    backend: str | None = None,
+    from_backend: str | None = None,
 ) -> GateResult:
+    """A failed promotion of the cutover's target (a rolling cutover's: of each replica, from
+    the one it replaced on its box)."""
     result = promotion_result(
         inv,
-        record.to_backend,
+        backend or record.to_backend,
         verdict="fail",
         reason=f"cutover {record.id} rolled back to {record.from_backend} ({how})",
         cutover=record.id,
-        from_backend=record.from_backend,
+        from_backend=from_backend or record.from_backend,
         strategy=record.strategy,
         weights=state.weights,
         started_at=started,

@@ -8,6 +8,11 @@ run, and its steps, in Argo Rollouts' terms.
 - swap: the two engines need the same GPUs on one host, so the old one must stop before the new
   one starts: drain (503 with Retry-After), stop, start, wait ready, smoke gate, reopen; any
   failure stops the new one and restarts the old. The downtime is measured.
+- rolling: a pool moved to another engine's pool box by box, in waves of `max_unavailable`
+  boxes, never surging (a box runs one engine or the other): before each wave the load is held
+  against what the boxes left can carry; per box, out of every router, drained, the old engine
+  stopped and its GPUs seen free, the new one started and judged alone, put back; then the
+  whole front soaks under a probe load.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from kdctl.errors import InputError
 from kdctl.inventory import LoadedInventory
 from kdctl.traffic import Router, RouterState
 
-Strategy = Literal["blue-green", "canary", "swap"]
+Strategy = Literal["blue-green", "canary", "swap", "rolling"]
 DEFAULT_STEPS = (5, 25, 50, 100)
 
 
@@ -78,17 +83,91 @@ class Start(_OnEngine):
 class SmokeGate(BaseModel):
     kind: Literal["smoke-gate"] = "smoke-gate"
     backend: str
+    # The engine it takes over from, whose recorded golden outputs it is held to; unset, the
+    # plan's `from_backend` (a swap's).
+    replaces: str | None = None
 
     def describe(self) -> str:
         return (
             f"smoke gate on {self.backend}: health, and exactness against the golden outputs of "
-            "the engine it replaces where they are recorded"
+            f"{self.replaces or 'the engine it replaces'} where they are recorded"
         )
+
+
+class Headroom(BaseModel):
+    """Before a wave: the load every engine in the routers holds now, against what those left
+    once `out` leaves could carry."""
+
+    kind: Literal["headroom"] = "headroom"
+    wave: int
+    out: list[str]
+
+    def describe(self) -> str:
+        return f"wave {self.wave}: headroom for taking out {', '.join(self.out)}"
+
+
+class RemoveFromRouters(_OnEngine):
+    kind: Literal["remove-from-routers"] = "remove-from-routers"
+
+    def describe(self) -> str:
+        return f"take {self.backend} out of the router, read back"
+
+
+class DrainEngine(_OnEngine):
+    """The engine's own running requests to zero, from its gauges, within `deadline_s`."""
+
+    kind: Literal["drain-engine"] = "drain-engine"
+    deadline_s: float
+
+    def describe(self) -> str:
+        return f"drain {self.backend}: its running requests to 0 (at most {self.deadline_s:g}s)"
+
+
+class GpusFree(_OnEngine):
+    """No compute process left on the stopped engine's GPUs, as its host shows them."""
+
+    kind: Literal["gpus-free"] = "gpus-free"
+
+    def describe(self) -> str:
+        return f"confirm {self.backend}'s GPUs hold no compute process"
+
+
+class AddToRouters(_OnEngine):
+    kind: Literal["add-to-routers"] = "add-to-routers"
+
+    def describe(self) -> str:
+        return f"put {self.backend} in the router, read back and generate through it"
+
+
+class Soak(BaseModel):
+    """The whole front under a probe load after a wave, its new engines each healthy."""
+
+    kind: Literal["soak"] = "soak"
+    wave: int
+    seconds: float
+    backends: list[str]
+
+    def describe(self) -> str:
+        return f"wave {self.wave}: soak the front for {self.seconds:g}s under a probe load"
 
 
 # One step of a plan, told apart by `kind`; a journal row holds its fields as they were dumped
 # (rows of earlier releases carry the others as nulls, which are ignored).
-Step = Annotated[SetWeights | Watch | Drain | Stop | Start | SmokeGate, Field(discriminator="kind")]
+Step = Annotated[
+    SetWeights
+    | Watch
+    | Drain
+    | Stop
+    | Start
+    | SmokeGate
+    | Headroom
+    | RemoveFromRouters
+    | DrainEngine
+    | GpusFree
+    | AddToRouters
+    | Soak,
+    Field(discriminator="kind"),
+]
 _STEP = TypeAdapter(Step)
 
 
@@ -114,7 +193,14 @@ def plan_cutover(
     strategy: Strategy | None = None,
     weights: tuple[int, ...] = DEFAULT_STEPS,
     watch_s: float = 10.0,
+    max_unavailable: int = 1,
 ) -> Plan:
+    if strategy == "rolling" or to in inv.pools:
+        if strategy not in (None, "rolling"):
+            raise InputError(f"--strategy {strategy}: a pool is moved box by box (rolling)")
+        return plan_rolling(
+            inv, router, current, to, max_unavailable=max_unavailable, watch_s=watch_s
+        )
     if to not in inv.backends:
         raise InputError(f"--to: unknown backend {to!r} (known: {', '.join(sorted(inv.backends))})")
     serving = current.serving
@@ -171,3 +257,72 @@ def plan_cutover(
             SetWeights(weights={src: 0, to: 100}),
         ]
     return Plan(from_backend=src, to_backend=to, strategy=strategy, reason=why, steps=steps)
+
+
+def plan_rolling(
+    inv: LoadedInventory,
+    router: Router,
+    current: RouterState,
+    to: str,
+    *,
+    max_unavailable: int = 1,
+    watch_s: float = 10.0,
+    drain_s: float = 60.0,
+) -> Plan:
+    """Box by box from the pool the router sends to now onto pool `to`, whose replica on each
+    box takes the old one's place there."""
+    if to not in inv.pools:
+        known = ", ".join(sorted(inv.pools)) or "none"
+        raise InputError(f"--to {to}: a rolling cutover moves to a pool (known: {known})")
+    serving = current.serving
+    src = {inv.pool_of(n) for n in serving}
+    if len(src) != 1 or None in src:
+        raise InputError(
+            f"the router sends traffic to {serving or 'nothing'}, not to one pool: finish or "
+            "roll back the cutover in progress first (kdctl cutover --resume, kdctl rollback)"
+        )
+    (from_pool,) = src
+    assert from_pool is not None
+    if from_pool == to:
+        raise InputError(f"{to} already takes all traffic")
+    if max_unavailable < 1:
+        raise InputError("--max-unavailable must be at least 1")
+    new_on = {inv.backends[n].host: n for n in inv.pools[to]}
+    boxes: list[tuple[str, str]] = []
+    for old in serving:
+        host = inv.backends[old].host
+        if host not in new_on:
+            raise InputError(
+                f"{to} has no replica on {host}, where {old} serves: nothing to move it to"
+            )
+        boxes.append((old, new_on[host]))
+    if max_unavailable >= len(boxes):
+        raise InputError(
+            f"--max-unavailable {max_unavailable} would take all {len(boxes)} boxes of "
+            f"{from_pool} out at once; a rolling cutover keeps some serving"
+        )
+    for name in {n for pair in boxes for n in pair}:
+        inv.service_env(name)  # both ends of every box must be startable before anything moves
+    steps: list[Step] = []
+    for w, at in enumerate(range(0, len(boxes), max_unavailable), start=1):
+        wave = boxes[at : at + max_unavailable]
+        steps.append(Headroom(wave=w, out=[old for old, _ in wave]))
+        for old, new in wave:
+            steps += [
+                RemoveFromRouters(backend=old),
+                DrainEngine(backend=old, deadline_s=drain_s),
+                Stop(backend=old),
+                GpusFree(backend=old),
+                Start(backend=new),
+                SmokeGate(backend=new, replaces=old),
+                AddToRouters(backend=new),
+            ]
+        if watch_s > 0:
+            steps.append(Soak(wave=w, seconds=watch_s, backends=[new for _, new in wave]))
+    return Plan(
+        from_backend=from_pool,
+        to_backend=to,
+        strategy="rolling",
+        reason=f"{len(boxes)} boxes, {max_unavailable} at a time: each runs one engine or another",
+        steps=steps,
+    )

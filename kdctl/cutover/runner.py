@@ -31,7 +31,8 @@ from kdctl.traffic.journal import Journal
 class CutoverOutcome(BaseModel):
     id: str
     plan: Plan
-    state: Literal["succeeded", "failed", "rolled_back"]
+    # paused: a rolling cutover stopped for a person, the failed box back on its old engine.
+    state: Literal["succeeded", "failed", "rolled_back", "paused"]
     reason: str | None = None
     router: RouterState | None = None
     downtime_s: float | None = None
@@ -63,13 +64,19 @@ class Runner:
     watches: list[WatchResult] = field(default_factory=list)
     drained_at: float | None = None
     downtime_s: float | None = None
+    # The plan's step that failed, where one did.
+    failed_at: int | None = None
 
     def run(self, cid: str, plan: Plan, *, skip: set[int] | None = None) -> CutoverOutcome:
         started = utcnow()
         outcome = self._run(cid, plan, skip or set())
-        promoted = record_promotion(self.inv, outcome, started)
-        self.store.record(self.session.binder.bind_result(promoted))
+        for promoted in self.promotions(outcome, started):
+            self.store.record(self.session.binder.bind_result(promoted))
         return outcome
+
+    def promotions(self, outcome: CutoverOutcome, started: datetime) -> list[GateResult]:
+        """The evidence the cutover leaves about where it moved traffic."""
+        return [record_promotion(self.inv, outcome, started)]
 
     def _run(self, cid: str, plan: Plan, skip: set[int]) -> CutoverOutcome:
         try:
@@ -86,21 +93,22 @@ class Runner:
                     )
                     note = self._apply(plan, step, written)
                 except (Exception, KeyboardInterrupt) as exc:
-                    _best_effort(
+                    self.failed_at = idx
+                    best_effort(
                         self.journal.step,
                         cid,
                         idx,
                         step.kind,
                         step.model_dump(),
                         "failed",
-                        _why(exc),
+                        why(exc),
                     )
                     raise
                 self.journal.step(cid, idx, step.kind, step.model_dump(), "done", note)
         # Whatever broke (a router, a full disk under the journal, Ctrl-C), the runner's promise
         # holds: traffic goes back to where it was.
         except (Exception, KeyboardInterrupt) as exc:
-            reason = _why(exc)
+            reason = why(exc)
             state = self._undo(cid, plan, reason)
             return self._outcome(cid, plan, state, reason)
         self.journal.finish(cid, "succeeded")
@@ -185,7 +193,9 @@ class Runner:
             raise AnalysisFailed("SLO breach during the canary: " + "; ".join(result.broke))
         return result.said()
 
-    def _undo(self, cid: str, plan: Plan, reason: str) -> Literal["failed", "rolled_back"]:
+    def _undo(
+        self, cid: str, plan: Plan, reason: str
+    ) -> Literal["failed", "rolled_back", "paused"]:
         """Back to the old backend: one router write; for a swap, the new engine stopped and
         the old one started first. Where even that fails, the outcome says what the router
         does now and the one command that restores it."""
@@ -197,14 +207,14 @@ class Runner:
             except KdctlError as read_exc:
                 now = f"the router could not be read back ({read_exc})"
             said = (
-                f"{reason}; the rollback failed too: {_why(exc)}; {now}; to restore it run: "
+                f"{reason}; the rollback failed too: {why(exc)}; {now}; to restore it run: "
                 f"kdctl rollback (it moves all traffic back to {plan.from_backend})"
             )
-            _best_effort(self.journal.finish, cid, "failed", said)
+            best_effort(self.journal.finish, cid, "failed", said)
             raise CutoverAborted(said) from None
         if self.drained_at is not None:
             self.downtime_s = round(time.monotonic() - self.drained_at, 3)
-        _best_effort(self.journal.finish, cid, "rolled_back", reason)
+        best_effort(self.journal.finish, cid, "rolled_back", reason)
         return "rolled_back"
 
 
@@ -215,7 +225,7 @@ class CutoverAborted(KdctlError):
     exit_code = 3
 
 
-def _why(exc: BaseException) -> str:
+def why(exc: BaseException) -> str:
     if isinstance(exc, KdctlError):
         return str(exc)
     if isinstance(exc, KeyboardInterrupt):
@@ -223,7 +233,7 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _best_effort(write: Callable[..., None], *args: Any) -> None:
+def best_effort(write: Callable[..., None], *args: Any) -> None:
     """A journal write on the way back: restoring traffic matters more than recording it."""
     # The caller reports the failure that brought it here.
     with contextlib.suppress(Exception):
@@ -239,6 +249,7 @@ def record_promotion(
         "succeeded": ("pass", f"all traffic moved to {plan.to_backend}"),
         "rolled_back": ("fail", f"rolled back to {plan.from_backend}: {outcome.reason}"),
         "failed": ("error", f"failed, and so did its rollback: {outcome.reason}"),
+        "paused": ("inconclusive", f"paused for a person: {outcome.reason}"),
     }
     verdict, said = ends[outcome.state]
     return promotion_result(
@@ -292,22 +303,22 @@ def restore(
     if plan.strategy == "swap":
         # Clients get 503 with Retry-After while the engines change hands, not a 502 from an
         # engine stopped under them (the swap drained; its rollback drains too).
-        _best_effort(journal.step, cid, idx, "rollback-drain", {}, "started")
+        best_effort(journal.step, cid, idx, "rollback-drain", {}, "started")
         router.drain()
-        _best_effort(journal.step, cid, idx, "rollback-drain", {}, "done")
+        best_effort(journal.step, cid, idx, "rollback-drain", {}, "done")
         idx += 1
         undo: tuple[tuple[str, EngineChange], ...] = (
             (plan.to_backend, "stop"),
             (plan.from_backend, "start"),
         )
         for name, verb in undo:
-            _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "started")
+            best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "started")
             change_engine(inv, session, name, verb)
-            _best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "done")
+            best_effort(journal.step, cid, idx, f"rollback-{verb}", {"backend": name}, "done")
             idx += 1
     weights = {plan.from_backend: 100, plan.to_backend: 0}
     detail = {"weights": weights}
-    record_step = partial(_best_effort, journal.step, cid, idx, "rollback-set-weights", detail)
+    record_step = partial(best_effort, journal.step, cid, idx, "rollback-set-weights", detail)
     live = router.read()
     # A file that says so but was never loaded (kdctl killed before the reload) is no proof.
     if live.weights == {plan.from_backend: 100} and not live.draining and live.applied is not False:

@@ -333,6 +333,9 @@ class PoolSpec(EngineSpec):
     behind one router. Loaded, each replica is a backend of its own named POOL@HOST."""
 
     replicas: Annotated[list[Replica], Field(min_length=1)] | ReplicaGroup
+    # Requests (running and queued) one replica carries; a rolling cutover takes boxes out
+    # only while those left can carry the load measured then. Unset, headroom is not judged.
+    capacity_per_replica: Annotated[int, Field(ge=1)] | None = None
 
 
 def _backend_tag(value: Any) -> str:

@@ -9,6 +9,7 @@ from kdctl.traffic._router import (
     Router,
     RouterError,
     RouterState,
+    equal_shares,
     front_url,
 )
 from kdctl.traffic.journal import (
@@ -33,6 +34,7 @@ __all__ = [
     "RouterError",
     "RouterState",
     "SqliteJournal",
+    "equal_shares",
     "front_url",
     "make_router",
     "open_journal",

@@ -82,6 +82,17 @@ class Router(abc.ABC):
     def drain(self) -> RouterState:
         raise RouterError(f"router {self.kind} cannot drain")
 
+    def set_members(self, names: Sequence[str]) -> RouterState:
+        """Send to exactly these backends, in equal shares, and return the state read back and
+        confirmed: a pool's replicas, one box taken out or put back at a time. A router with
+        weights writes them; one without (SGLang's gateway) changes its worker registry."""
+        if not names:
+            raise RouterError("a router must send to at least one backend")
+        if not self.capabilities.weights and len(names) > 1:
+            raise RouterError(f"router {self.kind} cannot send to {len(names)} backends at once")
+        self.apply(equal_shares(names))
+        return self.confirm(equal_shares(names))
+
     def confirm(self, weights: dict[str, int], *, deadline_s: float = 10.0) -> RouterState:
         """The live state, checked to send `weights`; RouterError where it does not. A router
         whose read-back is the running router itself needs nothing more; one whose read-back
@@ -115,6 +126,16 @@ class Router(abc.ABC):
         if not r.is_success:
             return None
         return r.headers.get(BACKEND_HEADER) or None
+
+
+def equal_shares(names: Sequence[str]) -> dict[str, int]:
+    """Percent for each of `names`, as even as whole numbers make them, the remainder to the
+    first in name order: the split a registry of equal workers stands for."""
+    ordered = sorted(names)
+    shares = {n: 100 // len(ordered) for n in ordered}
+    for n in ordered[: 100 - sum(shares.values())]:
+        shares[n] += 1
+    return shares
 
 
 def front_url(inv: LoadedInventory, spec: RouterSpec) -> str:

@@ -31,7 +31,9 @@ from kdctl.records import utcnow
 
 # "abandoned": an interrupted cutover that a later cutover or rollback superseded; it is never
 # resumed.
-CutoverState = Literal["running", "succeeded", "failed", "rolled_back", "abandoned"]
+# paused: a rolling cutover stopped for a person after a box failed (that box back on its old
+# engine); `cutover --resume` goes on from there, `rollback` moves every box back.
+CutoverState = Literal["running", "succeeded", "failed", "rolled_back", "abandoned", "paused"]
 # "written": the router's change is in place but not yet applied (nginx: the file, before its
 # reload); a resume applies it before it goes on.
 StepPhase = Literal["started", "written", "done", "failed"]
@@ -207,8 +209,16 @@ class Journal(abc.ABC):
         never resumed. Called under the lock, so none of them is still running."""
         self._exec(
             "UPDATE cutovers SET state = 'abandoned', reason = ?, ended_at = ?"
-            " WHERE state = 'running' AND (CAST(? AS TEXT) IS NULL OR id <> ?)",
+            " WHERE state IN ('running', 'paused') AND (CAST(? AS TEXT) IS NULL OR id <> ?)",
             (reason, utcnow().isoformat(), keep, keep),
+        )
+
+    @explained
+    def reopen(self, cid: str) -> None:
+        """A paused rollout running again (`cutover --resume`)."""
+        self._exec(
+            "UPDATE cutovers SET state = 'running', reason = NULL, ended_at = NULL WHERE id = ?",
+            (cid,),
         )
 
     @explained

@@ -34,7 +34,14 @@ from kdctl._httpclient import http_client
 from kdctl.backends import GenerateRequest, bearer, make_backend
 from kdctl.backends.errors import BackendAuthError, BackendError, BackendHTTPError
 from kdctl.inventory import BackendSpec, LoadedInventory, RouterSpec, SGLangRouterSpec
-from kdctl.traffic._router import Capabilities, Router, RouterError, RouterState, check_weights
+from kdctl.traffic._router import (
+    Capabilities,
+    Router,
+    RouterError,
+    RouterState,
+    check_weights,
+    equal_shares,
+)
 from kdctl.transports import Transport
 
 
@@ -273,12 +280,10 @@ class SGLangRouter(Router):
         return self._state([w.url for w in workers], f"{self.front_url}/workers")
 
     def _state(self, urls: Sequence[str], source: str) -> RouterState:
+        # No weights: each worker's share is its share of the registry.
         by_url = self._names()
-        names = sorted(by_url.get(u.rstrip("/"), u) for u in urls)
-        weights = {n: 100 // len(names) for n in names} if names else {}
-        if names:
-            weights[names[0]] += 100 - sum(weights.values())
-        return RouterState(weights=weights, source=source)
+        names = [by_url.get(u.rstrip("/"), u) for u in urls]
+        return RouterState(weights=equal_shares(names) if names else {}, source=source)
 
     def apply(
         self, weights: dict[str, int], *, on_written: Callable[[], None] | None = None
@@ -294,6 +299,15 @@ class SGLangRouter(Router):
         self._generates(target, self.inv.backends[target], self.inv.api_key(target), "directly")
         self.set_workers([target])
         return self.confirm({target: 100})
+
+    def set_members(self, names: Sequence[str]) -> RouterState:
+        if not names:
+            raise RouterError("a router must send to at least one backend")
+        for name in names:
+            spec = self.inv.backends[name]
+            self._generates(name, spec, self.inv.api_key(name), "directly")
+        self.set_workers(names)
+        return self.confirm(equal_shares(names))
 
     def set_workers(self, names: Sequence[str]) -> None:
         """Make every gateway's registry hold exactly these backends: each missing one added
@@ -337,8 +351,9 @@ class SGLangRouter(Router):
                     f"sglang-router at {front} lists {theirs.serving}, not {state.serving}: "
                     "its registry differs from the first gateway's"
                 )
-        (target,) = state.serving
-        # What a client sends through it: the router's own key, else the engine's.
+        # The protocol and key of the backends it sends to (a pool's replicas speak alike):
+        # what a client sends through it, the router's own key, else the engine's.
+        target = state.serving[0]
         key = self.inv.router_api_key() or self.inv.api_key(target)
         for front in self.fronts:
             spec = self.inv.backends[target].model_copy(update={"url": front})

@@ -1,0 +1,287 @@
+"""The rolling cutover's steps on a box, and what happens when one fails: that box alone goes
+back to its old engine and the rollout pauses for a person, as Argo Rollouts pauses on an
+inconclusive analysis; the boxes already moved stay moved."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from kdctl.checks.promotion import promotion_result
+from kdctl.cutover.analysis import AnalysisFailed, watch_front
+from kdctl.cutover.plan import (
+    AddToRouters,
+    DrainEngine,
+    GpusFree,
+    Headroom,
+    Plan,
+    RemoveFromRouters,
+    SmokeGate,
+    Soak,
+    Step,
+)
+from kdctl.cutover.runner import (
+    CutoverAborted,
+    CutoverOutcome,
+    Runner,
+    best_effort,
+    change_engine,
+    why,
+)
+from kdctl.errors import KdctlError
+from kdctl.inventory import LoadedInventory, PoolSpec
+from kdctl.probes import probe_gpus
+from kdctl.records import GateResult, Verdict
+from kdctl.session import Session
+from kdctl.traffic import Router
+from kdctl.traffic.journal import Journal
+
+# How often a draining engine's gauges are read.
+_DRAIN_POLL_S = 0.2
+
+
+class HeadroomRefused(AnalysisFailed):
+    """The boxes left could not carry the load measured now: nothing was taken out."""
+
+
+@dataclass(frozen=True)
+class Box:
+    """One box of a rolling cutover: the replica it serves now and the one to take its place."""
+
+    old: str
+    new: str
+
+
+def boxes_of(plan: Plan) -> list[Box]:
+    return [
+        Box(old=s.replaces, new=s.backend)
+        for s in plan.steps
+        if isinstance(s, SmokeGate) and s.replaces is not None
+    ]
+
+
+def headroom(inv: LoadedInventory, session: Session, members: list[str], out: list[str]) -> str:
+    """The load the router's engines hold now (running and queued requests, from their own
+    gauges) against what the engines left once `out` leaves carry, by the pool's
+    `capacity_per_replica`; HeadroomRefused, with the figures, where they could not."""
+    loads: dict[str, float] = {}
+    unread: list[str] = []
+    for name in members:
+        try:
+            with session.backend(name, timeout=5) as be:
+                load = be.load()
+        except KdctlError:
+            load = None
+        if load is None:
+            unread.append(name)
+        else:
+            loads[name] = load.total
+    left = [m for m in members if m not in out]
+    capacity = 0
+    for name in left:
+        pool = inv.pool_of(name)
+        spec = inv.spec.backends.get(pool) if pool else None
+        per = spec.capacity_per_replica if isinstance(spec, PoolSpec) else None
+        if per is None:
+            return (
+                f"load {sum(loads.values()):g} requests on {len(loads)} engines; headroom not "
+                f"judged: {name}'s pool sets no capacity_per_replica"
+            )
+        capacity += per
+    if unread:
+        raise HeadroomRefused(
+            f"headroom: the load of {', '.join(unread)} cannot be read from its metrics, so "
+            f"taking out {', '.join(out)} cannot be judged safe"
+        )
+    total = sum(loads.values())
+    said = (
+        f"load {total:g} requests (running and queued) on {len(members)} engines; the "
+        f"{len(left)} left carry {capacity}"
+    )
+    if total > capacity:
+        raise HeadroomRefused(f"headroom: {said}: taking out {', '.join(out)} refused")
+    return said
+
+
+def drain_engine(session: Session, name: str, deadline_s: float) -> str:
+    """Until the engine, out of every router, has no running request, by its own gauges."""
+    deadline = time.monotonic() + deadline_s
+    with session.backend(name, timeout=5) as be:
+        while True:
+            load = be.load()
+            if load is None:
+                return f"{name} exports no running-requests gauge: stopped without a drain"
+            if load.running == 0:
+                return f"{name} drained: 0 requests running"
+            if time.monotonic() > deadline:
+                return (
+                    f"{name} still ran {load.running:g} requests at the {deadline_s:g}s "
+                    "deadline: stopped with them"
+                )
+            time.sleep(_DRAIN_POLL_S)
+
+
+def gpus_free(inv: LoadedInventory, session: Session, name: str) -> str:
+    """The stopped engine's GPUs, as its host's nvidia-smi shows them: no compute process."""
+    spec = inv.backends[name]
+    probe = probe_gpus(session.transport(spec.host))
+    if probe.error:
+        raise AnalysisFailed(f"{spec.host}: its GPUs cannot be read: {probe.error}")
+    if not probe.visible:
+        return f"{spec.host} shows no GPU (nvidia-smi: {probe.note or 'none'}): nothing held"
+    mine = set(spec.gpus) or {g.index for g in probe.gpus}
+    held = [p for p in probe.processes if p.gpu_index is None or p.gpu_index in mine]
+    if held:
+        who = ", ".join(f"pid {p.pid} {p.process_name} on GPU {p.gpu_index}" for p in held)
+        raise AnalysisFailed(f"{spec.host}: {name} stopped, but its GPUs still hold {who}")
+    return f"GPUs {sorted(mine)} on {spec.host} hold no compute process"
+
+
+def members_without(router: Router, name: str) -> list[str]:
+    return [m for m in router.read().serving if m != name]
+
+
+@dataclass
+class RollingRunner(Runner):
+    """The runner with a rolling cutover's steps; a failure rolls back the box at hand (or the
+    wave a soak judged) and pauses the rollout."""
+
+    def _apply(
+        self, plan: Plan, step: Step, on_written: Callable[[], None] | None = None
+    ) -> str | None:
+        if isinstance(step, Headroom):
+            return headroom(self.inv, self.session, self.router.read().serving, step.out)
+        if isinstance(step, RemoveFromRouters):
+            state = self.router.set_members(members_without(self.router, step.backend))
+            return f"the router sends to {', '.join(state.serving)}"
+        if isinstance(step, DrainEngine):
+            return drain_engine(self.session, step.backend, step.deadline_s)
+        if isinstance(step, GpusFree):
+            return gpus_free(self.inv, self.session, step.backend)
+        if isinstance(step, AddToRouters):
+            members = [*members_without(self.router, step.backend), step.backend]
+            state = self.router.set_members(members)
+            return f"the router sends to {', '.join(state.serving)}"
+        if isinstance(step, Soak):
+            result = watch_front(
+                self.inv, self.router, step.backends[0], step.seconds, also_healthy=step.backends
+            )
+            self.watches.append(result)
+            if result.broke:
+                raise AnalysisFailed(f"wave {step.wave} soak: " + "; ".join(result.broke))
+            return result.said()
+        return super()._apply(plan, step, on_written)
+
+    def _smoke(self, plan: Plan, name: str) -> str:
+        # Held to the golden outputs of the replica it takes over from, on the same box.
+        box = next(b for b in boxes_of(plan) if b.new == name)
+        return super()._smoke(plan.model_copy(update={"from_backend": box.old}), name)
+
+    def _undo(
+        self, cid: str, plan: Plan, reason: str
+    ) -> Literal["failed", "rolled_back", "paused"]:
+        """The boxes the failed step left between engines back on their old ones, then the
+        rollout paused with the reason; the boxes moved before stay moved. Where putting a box
+        back fails too, the outcome says so and what to run."""
+        unsettled = _unsettled(plan, self.failed_at) if self.failed_at is not None else []
+        for box in unsettled:
+            try:
+                back_on_old(self.inv, self.router, self.session, box, self.journal, cid)
+            except (Exception, KeyboardInterrupt) as exc:
+                said = (
+                    f"{reason}; putting {box.old} back on {self.inv.backends[box.old].host} "
+                    f"failed too: {why(exc)}; to restore it run: kdctl rollback"
+                )
+                best_effort(self.journal.finish, cid, "failed", said)
+                raise CutoverAborted(said) from None
+        back = (
+            f" ({', '.join(b.old for b in unsettled)} back on the old engine)" if unsettled else ""
+        )
+        best_effort(self.journal.finish, cid, "paused", reason + back)
+        return "paused"
+
+    def promotions(self, outcome: CutoverOutcome, started: datetime) -> list[GateResult]:
+        """One promotion per replica moved, bound to its box: its share of the router now."""
+        weights = outcome.router.weights if outcome.router else {}
+        moved = [b for b in boxes_of(outcome.plan) if weights.get(b.new, 0) > 0]
+        verdict: Verdict = "pass" if outcome.state == "succeeded" else "inconclusive"
+        said = f"rolled onto {len(moved)} of {len(boxes_of(outcome.plan))} boxes" + (
+            f", paused: {outcome.reason}" if outcome.state == "paused" else ""
+        )
+        return [
+            promotion_result(
+                self.inv,
+                box.new,
+                verdict=verdict,
+                reason=f"cutover {outcome.id} (rolling from {outcome.plan.from_backend}): {said}",
+                cutover=outcome.id,
+                from_backend=box.old,
+                strategy="rolling",
+                weights=weights,
+                started_at=started,
+                watches=[w.model_dump() for w in outcome.watches],
+            )
+            for box in moved
+        ]
+
+
+def first_of_box(plan: Plan, at: int) -> int:
+    """Where the box (or wave) that step `at` belongs to begins: a rollout resumes there."""
+    boxes = _unsettled(plan, at)
+    if not boxes:
+        return at
+    names = {n for b in boxes for n in (b.old, b.new)}
+    return min(
+        i for i, s in enumerate(plan.steps) if getattr(s, "backend", None) in names and i <= at
+    )
+
+
+def _unsettled(plan: Plan, at: int) -> list[Box]:
+    """The boxes step `at` leaves between engines: its own box; for a headroom check, none (it
+    took nothing out); for a soak, every box of its wave."""
+    step = plan.steps[at]
+    boxes = boxes_of(plan)
+    if isinstance(step, Headroom):
+        return []
+    if isinstance(step, Soak):
+        return [b for b in boxes if b.new in step.backends]
+    name = getattr(step, "backend", None)
+    return [b for b in boxes if name in (b.old, b.new)]
+
+
+def back_on_old(
+    inv: LoadedInventory,
+    router: Router,
+    session: Session,
+    box: Box,
+    journal: Journal,
+    cid: str,
+) -> None:
+    """One box back on its old engine: the new one out of the routers and stopped, the old one
+    started and put back, each journaled (numbered after the plan's steps, so a resume never
+    takes them for it); the routers read back and confirmed."""
+    record = journal.get(cid)
+    idx = 1000 + (len(record.steps) if record else 0)
+
+    def step(kind: str, backend: str, run: Callable[[], object]) -> None:
+        nonlocal idx
+        journal.step(cid, idx, kind, {"backend": backend}, "started")
+        journal.step(cid, idx, kind, {"backend": backend}, "done", str(run()))
+        idx += 1
+
+    if box.new in router.read().serving:
+        step(
+            "box-rollback-remove",
+            box.new,
+            lambda: router.set_members(members_without(router, box.new)).serving,
+        )
+    step("box-rollback-stop", box.new, lambda: change_engine(inv, session, box.new, "stop"))
+    step("box-rollback-start", box.old, lambda: change_engine(inv, session, box.old, "start"))
+    step(
+        "box-rollback-add",
+        box.old,
+        lambda: router.set_members([*members_without(router, box.old), box.old]).serving,
+    )

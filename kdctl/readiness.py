@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timedelta
@@ -83,6 +84,9 @@ class ServingAnswer(ServingProbe):
     engines_short: list[str] = []
     # The speed judgement in a few words (the whole of it is `speed`).
     speed_short: str | None = None
+    # Where the router sends to pools' replicas: how many boxes each pool serves from
+    # ("native on 2/4 boxes, sglang on 2/4"), by the router's read-back.
+    mix: str | None = None
 
     def line(self) -> str:
         """Line 1, in a few words; `detail` and `speed` say the whole of it."""
@@ -876,6 +880,9 @@ def _briefly(answer: ServingAnswer, inv: LoadedInventory) -> None:
         answer.who_short = ", ".join(
             f"{n} {w}%" for n, w in sorted(split.items(), key=lambda kv: -kv[1])
         )
+    answer.mix = _mix(inv, split)
+    if answer.mix is not None and len(split) > 1:
+        answer.who_short = answer.mix
     if routed is not None and routed.applied is False:
         answer.flags.append("a router change is written, not applied")
     if routed is not None and routed.unknown_workers(inv):
@@ -889,6 +896,20 @@ def _briefly(answer: ServingAnswer, inv: LoadedInventory) -> None:
         elif front.answered is False:
             answer.engines_short.append(f"the router on {answer.where} {front.detail}")
     answer.engines_short += [_engine_brief(e, inv) for e in answer.engines if not e.serves]
+
+
+def _mix(inv: LoadedInventory, routed: Mapping[str, int]) -> str | None:
+    """How many boxes each pool serves from, where the router sends to pools' replicas."""
+    pools = [inv.pool_of(n) for n in routed]
+    if not pools or None in pools:
+        return None
+    boxes = {inv.backends[m].host for p in set(pools) if p for m in inv.pools[p]}
+    counts = Counter(p for p in pools if p)
+    said = [
+        f"{pool} on {n}/{len(boxes)}" + (" boxes" if i == 0 else "")
+        for i, (pool, n) in enumerate(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    ]
+    return ", ".join(said)
 
 
 def _engine_brief(e: EngineAnswer, inv: LoadedInventory) -> str:

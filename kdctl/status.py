@@ -12,6 +12,7 @@ from kdctl._httpclient import http_client
 from kdctl.backends import HEALTH_TIMEOUT_S, EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
 from kdctl.checks import provenance_for
+from kdctl.cutover.rolling import rollout
 from kdctl.errors import KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import BackendSpec, LoadedInventory
@@ -437,10 +438,12 @@ def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> Traffic
             traffic.detail = f"router not read back ({routed.error})"
     if (inventory.state_dir / "traffic.sqlite").exists():
         with open_journal(inventory) as journal:
-            open_one = journal.latest(state="running")
+            open_one = journal.latest(state="running") or journal.latest(state="paused")
         if open_one is not None:
             traffic.cutover_in_progress = {
                 "id": open_one.id,
+                "state": open_one.state,
+                "reason": open_one.reason,
                 "from": open_one.from_backend,
                 "to": open_one.to_backend,
                 "strategy": open_one.strategy,
@@ -448,4 +451,9 @@ def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> Traffic
                 "steps": len(open_one.plan),
                 "holder": open_one.holder,
             }
+            if open_one.strategy == "rolling":
+                serving_now = [n for n, w in (routed.weights if routed else {}).items() if w > 0]
+                traffic.cutover_in_progress |= rollout(inventory, open_one, serving_now).model_dump(
+                    mode="json"
+                )
     return traffic

@@ -182,12 +182,21 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
             traffic.append("; DRAINING: new requests get 503", "yellow")
         if t.cutover_in_progress:
             c = t.cutover_in_progress
+            what = "paused" if c.get("state") == "paused" else "in progress"
             traffic.append(
-                f"\nCutover in progress: {c['id']} {c['strategy']} {c['from']} -> {c['to']}, "
+                f"\nCutover {what}: {c['id']} {c['strategy']} {c['from']} -> {c['to']}, "
                 f"{c['steps_done']}/{c['steps']} steps done "
-                "(kdctl cutover --resume, kdctl rollback)",
+                + (f"({c['reason']}) " if c.get("state") == "paused" and c.get("reason") else "")
+                + "(kdctl cutover --resume, kdctl rollback)",
                 "yellow",
             )
+            if "boxes" in c:
+                traffic.append(f"\nWave {c['wave']} of {c['waves']}:")
+                for b in c["boxes"]:
+                    since = f" since {b['since'][11:19]}" if b.get("since") else ""
+                    engine = b["engine"] or "out of the router"
+                    step = f", {b['step']}{since}" if b.get("step") else ""
+                    traffic.append(f"\n  {b['host']}: {engine}{step}")
     else:
         traffic = Text("Traffic: no router in the inventory")
     parts: list[Table | Text] = [hosts, backends, *([pools] if report.pools else []), traffic]

@@ -39,11 +39,14 @@ class Fleet:
     boxes: list[Box]
     inventory: Path
     front: str
+    # Each box's folder, seen on the box at BOX_DIR.
+    dirs: list[Path]
 
 
-def _service(model: Path, port: int, name: str) -> dict[str, Any]:
+def _service(port: int, name: str) -> dict[str, Any]:
     """An engine's service on a box: it starts only while the box's GPU lock is free, and
-    holds it while it runs."""
+    holds it while it runs; it serves the checkpoint the box's `NAME-model` link points at."""
+    model = f"{BOX_DIR}/{name}-model"
     serve = [*serve_argv(model, port, served_name="tiny"), "--host", "0.0.0.0"]
     return {
         "command": ["flock", "-n", f"{BOX_DIR}/gpu.lock", *warm_argv(serve)],
@@ -69,8 +72,9 @@ def fleet(models: dict[str, Path]) -> Iterator[Fleet]:
         for i in range(1, 5):
             own = root / f"box{i}"
             own.mkdir(mode=0o755)
+            for name in ("sglang", "native"):
+                (own / f"{name}-model").symlink_to(models["dsv3"])
             boxes.append(make_box(root / f"b{i}", f"rl{i}{worker}"[:9], mounts={BOX_DIR: own}))
-        model = models["dsv3"]
         port = free_port()
         data: dict[str, Any] = {
             "hosts": {f"box{i}": b.host_entry(user="root") for i, b in enumerate(boxes, 1)},
@@ -78,17 +82,17 @@ def fleet(models: dict[str, Path]) -> Iterator[Fleet]:
             "backends": {
                 "sglang": {
                     "kind": "sglang",
-                    "model": str(model),
+                    "model": f"{BOX_DIR}/sglang-model",
                     "gpus": [0],
                     "replicas": {"group": "boxes", "port": OLD_PORT},
-                    "service": _service(model, OLD_PORT, "sglang"),
+                    "service": _service(OLD_PORT, "sglang"),
                 },
                 "native": {
                     "kind": "native",
-                    "model": str(model),
+                    "model": f"{BOX_DIR}/native-model",
                     "gpus": [0],
                     "replicas": {"group": "boxes", "port": NEW_PORT},
-                    "service": _service(model, NEW_PORT, "native"),
+                    "service": _service(NEW_PORT, "native"),
                 },
             },
             "router": {
@@ -118,7 +122,8 @@ def fleet(models: dict[str, Path]) -> Iterator[Fleet]:
             stderr=subprocess.DEVNULL,
         )
         wait_http(f"http://127.0.0.1:{port}/readiness", deadline_s=60)
-        yield Fleet(boxes, inv_path, f"http://127.0.0.1:{port}")
+        dirs = [root / f"box{i}" for i in range(1, 5)]
+        yield Fleet(boxes, inv_path, f"http://127.0.0.1:{port}", dirs)
     finally:
         if router is not None:
             router.terminate()
@@ -176,3 +181,47 @@ def test_a_fleet_rolls_box_by_box_under_load_and_back(fleet: Fleet, report: Any)
     assert back.code == 0, back.out + back.err
     assert load.failures == [], load.failures[:5]
     assert _router_serves(fleet) == [f"sglang@box{i}" for i in range(1, 5)]
+
+
+def test_a_box_that_fails_its_smoke_gate_goes_back_and_the_rollout_pauses(
+    fleet: Fleet, models: dict[str, Path], report: Any
+) -> None:
+    """Box 3's new engine serves another checkpoint: its smoke gate fails against the golden
+    outputs its old engine recorded. Box 3 goes back on its old engine, the rollout pauses with
+    boxes 1 and 2 moved and box 4 untouched, and status says so; with box 3 mended, --resume
+    goes on from box 3 and finishes."""
+    inv = str(fleet.inventory)
+    assert _router_serves(fleet) == [f"sglang@box{i}" for i in range(1, 5)]
+    recorded = kdctl("baseline", "record", "-b", "sglang@box3", "--only", "golden", "-i", inv)
+    assert recorded.code == 0, recorded.out + recorded.err
+    wrong = fleet.dirs[2] / "native-model"
+    wrong.unlink()
+    wrong.symlink_to(models["dsv3-draft"])
+    with Load(fleet.front) as load:
+        run = kdctl("cutover", "--to", "native", "--watch", "1", "--force", "--yes", "-i", inv)
+    assert run.code == 1, run.out + run.err
+    assert load.failures == [], load.failures[:5]
+    assert "paused" in run.out and "smoke gate failed" in run.out, run.out
+    assert _router_serves(fleet) == ["native@box1", "native@box2", "sglang@box3", "sglang@box4"]
+    doc = json.loads(kdctl("status", "--json", "-i", inv).out)
+    rollout = doc["traffic"]["cutover_in_progress"]
+    assert rollout["state"] == "paused" and rollout["strategy"] == "rolling", rollout
+    boxes = {b["host"]: b["engine"] for b in rollout["boxes"]}
+    assert boxes == {"box1": "native", "box2": "native", "box3": "sglang", "box4": "sglang"}
+    serving = doc["answers"]["serving"]
+    assert serving["mix"] == "native on 2/4 boxes, sglang on 2/4", serving
+    text = " ".join(kdctl("status", "-i", inv).out.split())
+    assert "Serving now: native on 2/4 boxes, sglang on 2/4 through sglang-router" in text, text
+    assert "Cutover paused" in text and "Wave 3 of 4" in text and "box3: sglang" in text, text
+
+    wrong.unlink()
+    wrong.symlink_to(models["dsv3"])
+    with Load(fleet.front) as load:
+        resumed = kdctl("cutover", "--resume", "--force", "--yes", "-i", inv, timeout=600)
+    assert resumed.code == 0, resumed.out + resumed.err
+    assert load.failures == [], load.failures[:5]
+    assert _router_serves(fleet) == [f"native@box{i}" for i in range(1, 5)]
+    report(
+        "rolling cutover, box 3's smoke gate failed: box 3 back on sglang, paused at "
+        "native on 2/4 boxes; resumed after the fix, all 4 moved; 0 failed requests"
+    )

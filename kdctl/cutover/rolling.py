@@ -5,10 +5,12 @@ inconclusive analysis; the boxes already moved stay moved."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
+
+from pydantic import BaseModel
 
 from kdctl.checks.promotion import promotion_result
 from kdctl.cutover.analysis import AnalysisFailed, watch_front
@@ -22,6 +24,7 @@ from kdctl.cutover.plan import (
     SmokeGate,
     Soak,
     Step,
+    step_from,
 )
 from kdctl.cutover.runner import (
     CutoverAborted,
@@ -37,7 +40,7 @@ from kdctl.probes import probe_gpus
 from kdctl.records import GateResult, Verdict
 from kdctl.session import Session
 from kdctl.traffic import Router
-from kdctl.traffic.journal import Journal
+from kdctl.traffic.journal import CutoverRecord, Journal
 
 # How often a draining engine's gauges are read.
 _DRAIN_POLL_S = 0.2
@@ -285,3 +288,52 @@ def back_on_old(
         box.old,
         lambda: router.set_members([*members_without(router, box.old), box.old]).serving,
     )
+
+
+class RolloutBox(BaseModel):
+    """One box of a rolling cutover as status shows it."""
+
+    host: str
+    # The pool whose replica on this box the router sends to now; null: neither (the box is
+    # out of the router, between engines).
+    engine: str | None
+    # The newest journaled step on this box, and since when.
+    step: str | None = None
+    since: datetime | None = None
+
+
+class Rollout(BaseModel):
+    wave: int
+    waves: int
+    boxes: list[RolloutBox]
+
+
+def rollout(inv: LoadedInventory, record: CutoverRecord, serving: Sequence[str]) -> Rollout:
+    """Where a rolling cutover stands: its wave, and each box's engine in the router (`serving`,
+    as read back now) and newest journaled step."""
+    steps = [step_from(s) for s in record.plan]
+    touched = [r.idx for r in record.steps if 0 <= r.idx < len(steps)]
+    upto = steps[: max(touched) + 1] if touched else []
+    wave = max((s.wave for s in upto if isinstance(s, Headroom)), default=0)
+    waves = sum(isinstance(s, Headroom) for s in steps)
+    boxes = []
+    plan = Plan(
+        from_backend=record.from_backend,
+        to_backend=record.to_backend,
+        strategy="rolling",
+        reason="",
+        steps=steps,
+    )
+    for box in boxes_of(plan):
+        engine = next((inv.pool_of(n) for n in (box.new, box.old) if n in serving), None)
+        mine = [r for r in record.steps if r.detail.get("backend") in (box.old, box.new)]
+        last = max(mine, key=lambda r: r.at, default=None)
+        boxes.append(
+            RolloutBox(
+                host=inv.backends[box.old].host if box.old in inv.backends else box.old,
+                engine=engine,
+                step=f"{last.kind} {last.phase}" if last else None,
+                since=last.at if last else None,
+            )
+        )
+    return Rollout(wave=wave, waves=waves, boxes=boxes)

@@ -15,8 +15,8 @@ saves the engine's three seconds of imports. The engines kdctl itself starts in 
 (a service's command, a command-mode engine) are `python tests/support/warm_exec.py SOCKET
 ARGS`: a stand-in that has the same server fork `kdctl ARGS` and stands for it (stdin and
 output passed on, signals forwarded, its exit code; killed, the fork is killed too; started on
-a test box, the fork joins the box's network namespace). The sandbox's engines start cold, as
-they would anywhere.
+a test box, the fork joins the box's network and mount namespaces). The sandbox's engines
+start cold, as they would anywhere.
 
 Protocol, over a Unix socket: the client sends one JSON line (argv, env, cwd) with its stdout
 and stderr file descriptors (SCM_RIGHTS); the fork writes its pid as a line and runs; the
@@ -184,8 +184,8 @@ def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
         if fd > 2:
             os.close(fd)
     if request.get("tied"):
-        # Before any thread starts: a network namespace is entered by one thread alone.
-        _join_network(int(request["tied"]))
+        # Before any thread starts: a namespace is entered by a process of one thread.
+        _join_box(int(request["tied"]))
         _tie(int(request["tied"]))
     try:
         os.chdir(request["cwd"])
@@ -205,23 +205,28 @@ def _run(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
     raise SystemExit(0)
 
 
-def _join_network(pid: int) -> None:
-    """Into the network namespace of `pid`, where it differs from this one: a command started
-    on a test box (a network namespace, tests/support/box.py) listens and connects there, as
-    the cold command in its place would."""
+# setns(2)'s namespace types.
+_NAMESPACES = {"net": 0x40000000, "mnt": 0x00020000}
+
+
+def _join_box(pid: int) -> None:
+    """Into the network and mount namespaces of `pid`, where they differ from this one's: a
+    command started on a test box (tests/support/box.py) listens, connects and sees files
+    there, as the cold command in its place would."""
     import ctypes
 
-    theirs, ours = f"/proc/{pid}/ns/net", "/proc/self/ns/net"
-    try:
-        if os.readlink(theirs) == os.readlink(ours):
-            return
-        fd = os.open(theirs, os.O_RDONLY)
-    except OSError as exc:
-        raise SystemExit(f"kdctl: the starting process's network namespace: {exc}") from None
-    clone_newnet = 0x40000000
-    if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
-        raise SystemExit(f"kdctl: setns: {os.strerror(ctypes.get_errno())}")
-    os.close(fd)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, flag in _NAMESPACES.items():
+        theirs, ours = f"/proc/{pid}/ns/{kind}", f"/proc/self/ns/{kind}"
+        try:
+            if os.readlink(theirs) == os.readlink(ours):
+                continue
+            fd = os.open(theirs, os.O_RDONLY)
+        except OSError as exc:
+            raise SystemExit(f"kdctl: the starting process's {kind} namespace: {exc}") from None
+        if libc.setns(fd, flag) != 0:
+            raise SystemExit(f"kdctl: setns {kind}: {os.strerror(ctypes.get_errno())}")
+        os.close(fd)
 
 
 def _tie(pid: int) -> None:

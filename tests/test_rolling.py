@@ -225,3 +225,51 @@ def test_a_box_that_fails_its_smoke_gate_goes_back_and_the_rollout_pauses(
         "rolling cutover, box 3's smoke gate failed: box 3 back on sglang, paused at "
         "native on 2/4 boxes; resumed after the fix, all 4 moved; 0 failed requests"
     )
+
+
+def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Each of the four engines serving has a long generation running (by its own gauge);
+    with one request per replica as the pool's capacity, the three boxes left could not carry
+    the four: the first wave is refused with those figures and nothing moves."""
+    import threading
+
+    import httpx
+    import yaml
+
+    data = yaml.safe_load(fleet.inventory.read_text())
+    serving = _router_serves(fleet)
+    pool = serving[0].partition("@")[0]
+    other = "sglang" if pool == "native" else "native"
+    data["backends"][pool]["capacity_per_replica"] = 1
+    inv = str(write_inventory(tmp_path / "tight.yaml", data))
+    loaded = load_inventory(Path(inv))
+    urls = [loaded.backends[n].url for n in serving]
+    body = {
+        "input_ids": [11, 12, 13],
+        "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    started = threading.Barrier(len(urls) + 1, timeout=60)
+
+    def generate(url: str | None) -> None:
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(lines)  # the first token: running now
+            started.wait()
+            for _ in lines:
+                pass
+
+    threads = [threading.Thread(target=generate, args=(u,), daemon=True) for u in urls]
+    for t in threads:
+        t.start()
+    started.wait()
+    run = kdctl("cutover", "--to", other, "--watch", "1", "--force", "--yes", "-i", inv)
+    for t in threads:
+        t.join(120)
+    assert run.code == 1, run.out + run.err
+    said = " ".join(run.out.split())
+    assert "headroom: load 4 requests (running and queued) on 4 engines; the 3 left carry 3" in said
+    assert f"taking out {serving[0]} refused" in said, said
+    assert _router_serves(fleet) == serving

@@ -288,6 +288,13 @@ def _confirmer(yes: bool) -> Callable[[str], bool]:
 
 @app.command("cutover")
 def cutover_cmd(
+    action: Annotated[
+        Literal["pause", "promote", "abort"] | None,
+        typer.Argument(
+            help="A rolling cutover in the journal: pause or abort it at its next box; promote "
+            "a paused one (--full: skip its remaining soaks)."
+        ),
+    ] = None,
     to: Annotated[str | None, typer.Option("--to", help="The backend to move traffic to.")] = None,
     strategy: Annotated[
         Literal["blue-green", "canary", "swap", "rolling"] | None,
@@ -318,34 +325,48 @@ def cutover_cmd(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the interrupted cutover in the journal.")
     ] = False,
+    full: Annotated[
+        bool, typer.Option("--full", help="promote: skip the remaining soaks.")
+    ] = False,
     inventory: InventoryOpt = None,
     state_dir: StateDirOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Move traffic to a backend, gated by the roadmap's prerequisites. Exit 0 when traffic
     moved, 1 when refused or rolled back, 3 when a router or host failed."""
-    from kdctl.cutover import Plan, cutover, parse_steps
+    from kdctl.cutover import CutoverOutcome, Plan, cutover, order, parse_steps
     from kdctl.tables import outcome_line, plan_lines
 
     weights = parse_steps(steps)
     inv = _load(inventory, state_dir)
-    with _store_for(inv) as store:
-        result = cutover(
-            inv,
-            store,
-            to,
-            confirm=_confirmer(yes),
-            strategy=strategy,
-            steps=weights,
-            watch_s=watch,
-            force=force,
-            dry_run=dry_run,
-            resume=resume,
-            max_unavailable=max_unavailable,
-            on_step=None
-            if json_
-            else lambda i, step: err_print(f"step {i + 1}: {step.describe()}"),
-        )
+    if action is not None:
+        with _store_for(inv) as store:
+            done = order(inv, store, action, confirm=_confirmer(yes), full=full)
+        if isinstance(done, str):
+            if json_:
+                _print_json({"said": done})
+            else:
+                out.print(done, markup=False)
+            return
+        result: Plan | CutoverOutcome = done
+    else:
+        with _store_for(inv) as store:
+            result = cutover(
+                inv,
+                store,
+                to,
+                confirm=_confirmer(yes),
+                strategy=strategy,
+                steps=weights,
+                watch_s=watch,
+                force=force,
+                dry_run=dry_run,
+                resume=resume,
+                max_unavailable=max_unavailable,
+                on_step=None
+                if json_
+                else lambda i, step: err_print(f"step {i + 1}: {step.describe()}"),
+            )
     if json_:
         _print_json(result)
     elif isinstance(result, Plan):

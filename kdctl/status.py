@@ -447,7 +447,8 @@ def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> Traffic
                 "from": open_one.from_backend,
                 "to": open_one.to_backend,
                 "strategy": open_one.strategy,
-                "steps_done": len(open_one.done_steps),
+                # The plan's own steps: not a rollback's, nor a person's orders.
+                "steps_done": len({i for i in open_one.done_steps if 0 <= i < len(open_one.plan)}),
                 "steps": len(open_one.plan),
                 "holder": open_one.holder,
             }

@@ -25,7 +25,7 @@ from kdctl.backends.reference import serve_argv
 from kdctl.inventory import load_inventory
 from kdctl.traffic import router_argv
 from kdctl.transports import TransportPool
-from tests.conftest import kdctl, need_sglang_router, warm_argv, write_inventory
+from tests.conftest import kdctl, kdctl_start, need_sglang_router, warm_argv, write_inventory
 from tests.support.box import Box, make_box
 from tests.support.sshd import free_port
 from tests.support.traffic import Load
@@ -273,3 +273,42 @@ def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
     assert "headroom: load 4 requests (running and queued) on 4 engines; the 3 left carry 3" in said
     assert f"taking out {serving[0]} refused" in said, said
     assert _router_serves(fleet) == serving
+
+
+def test_a_person_pauses_a_running_rollout_then_aborts_it(fleet: Fleet) -> None:
+    """`kdctl cutover pause` while another process rolls: heeded at its next box, the boxes
+    moved stay moved; `kdctl cutover abort` then moves every box back."""
+    import time
+
+    from kdctl.traffic import SqliteJournal
+
+    inv = str(fleet.inventory)
+    serving = _router_serves(fleet)
+    old = serving[0].partition("@")[0]
+    new = "sglang" if old == "native" else "native"
+    state = load_inventory(fleet.inventory).state_dir
+    rolling = kdctl_start("cutover", "--to", new, "--watch", "1", "--force", "--yes", "-i", inv)
+    deadline = time.monotonic() + 300
+    moved_one = False
+    while time.monotonic() < deadline and rolling.poll() is None and not moved_one:
+        with SqliteJournal(state) as journal:
+            record = journal.latest()
+        moved_one = record is not None and any(
+            s.kind == "add-to-routers" and s.phase == "done" for s in record.steps
+        )
+        time.sleep(0.2)
+    assert moved_one, "the first box was never put back"
+    paused = kdctl("cutover", "pause", "-i", inv)
+    assert paused.code == 0 and "pause ordered" in paused.out, paused.out + paused.err
+    assert rolling.wait(300) == 1
+    with SqliteJournal(state) as journal:
+        record = journal.latest()
+    assert record is not None and record.state == "paused", record
+    assert record.reason is not None and "pause ordered by a person" in record.reason
+    assert _router_serves(fleet) == sorted([f"{new}@box1", *serving[1:]])
+
+    aborted = kdctl("cutover", "abort", "--yes", "-i", inv, timeout=300)
+    assert aborted.code == 0, aborted.out + aborted.err
+    assert _router_serves(fleet) == serving
+    with SqliteJournal(state) as journal:
+        assert journal.get(record.id).state == "rolled_back"  # type: ignore[union-attr]

@@ -6,7 +6,7 @@ journal it writes through stay in `kdctl.traffic`, a layer below the readiness a
 package consults."""
 
 from kdctl.cutover.analysis import AnalysisFailed, WatchResult
-from kdctl.cutover.operations import Refused, cutover, rollback
+from kdctl.cutover.operations import Order, Refused, cutover, order, rollback
 from kdctl.cutover.plan import DEFAULT_STEPS, Plan, Step, Strategy, parse_steps, plan_cutover
 from kdctl.cutover.runner import CutoverAborted, CutoverOutcome, preflight
 
@@ -15,12 +15,14 @@ __all__ = [
     "AnalysisFailed",
     "CutoverAborted",
     "CutoverOutcome",
+    "Order",
     "Plan",
     "Refused",
     "Step",
     "Strategy",
     "WatchResult",
     "cutover",
+    "order",
     "parse_steps",
     "plan_cutover",
     "preflight",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import datetime
+from typing import Literal
 
 from kdctl.checks.promotion import promotion_result
 from kdctl.cutover.plan import (
@@ -17,7 +18,16 @@ from kdctl.cutover.plan import (
     plan_cutover,
     step_from,
 )
-from kdctl.cutover.rolling import RollingRunner, back_on_old, boxes_of, first_of_box
+from kdctl.cutover.rolling import (
+    ORDERS,
+    RESUMED,
+    ROLLBACK_ORDERED,
+    RollingRunner,
+    back_all,
+    boxes_of,
+    first_of_box,
+    moved,
+)
 from kdctl.cutover.runner import CutoverOutcome, Runner, preflight, restore
 from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import EvidenceStore
@@ -245,6 +255,19 @@ def _resume_rolling(
     record = journal.latest()
     assert record is not None
     plan = _journaled_plan(record, "resumed from the journal")
+    if any(r.idx == ROLLBACK_ORDERED for r in record.steps):
+        # It was being rolled back when it stopped: resuming finishes the rollback.
+        if not confirm(f"Finish rolling back cutover {record.id} to {plan.from_backend}?"):
+            raise Refused("resume not confirmed; nothing changed")
+        back_all(inv, router, session, plan, journal, record.id)
+        journal.finish(record.id, "rolled_back", "kdctl cutover --resume: rollback finished")
+        return CutoverOutcome(
+            id=record.id,
+            plan=plan,
+            state="rolled_back",
+            reason="rollback resumed",
+            router=router.confirm(router.read().weights),
+        )
     done = record.done_steps
     pending = [i for i in range(len(plan.steps)) if i not in done]
     if not pending:
@@ -271,6 +294,7 @@ def _resume_rolling(
     if not confirm(question):
         raise Refused("resume not confirmed; nothing changed")
     journal.reopen(record.id)
+    journal.step(record.id, RESUMED, "resumed", {}, "done", "kdctl cutover --resume")
     runner = RollingRunner(
         inv, router, journal, store, session, on_step=on_step, forced=force or bool(blocking)
     )
@@ -369,17 +393,14 @@ def _rollback_rolling(
     a time, each confirmed; the pool it came from serving alone again."""
     plan = _journaled_plan(record, "rollback")
     live = router.read()
-    moved = [
-        b for b in reversed(boxes_of(plan)) if b.new in live.serving or b.old not in live.serving
-    ]
-    if moved and not confirm(
-        f"Roll back {len(moved)} box(es) to {record.from_backend} "
-        f"({', '.join(b.old for b in moved)}); the router now sends to {', '.join(live.serving)}?"
+    boxes = moved(plan, live.serving)
+    if boxes and not confirm(
+        f"Roll back {len(boxes)} box(es) to {record.from_backend} "
+        f"({', '.join(b.old for b in boxes)}); the router now sends to {', '.join(live.serving)}?"
     ):
         raise Refused("rollback not confirmed; nothing changed")
-    journal.step(record.id, 999, "rollback-ordered", {}, "done", "kdctl rollback")
-    for box in moved:
-        back_on_old(inv, router, session, box, journal, record.id)
+    journal.step(record.id, ROLLBACK_ORDERED, "rollback-ordered", {}, "done", "kdctl rollback")
+    back_all(inv, router, session, plan, journal, record.id)
     state = router.confirm(router.read().weights)
     if record.state in ("running", "paused"):
         journal.finish(record.id, "rolled_back", "kdctl rollback")
@@ -415,3 +436,47 @@ def _rolled_back(
         started_at=started,
     )
     return session.binder.bind_result(result)
+
+
+Order = Literal["pause", "promote", "abort"]
+
+
+def order(
+    inv: LoadedInventory,
+    store: EvidenceStore,
+    what: Order,
+    *,
+    confirm: Confirm,
+    full: bool = False,
+    on_step: Callable[[int, Step], None] | None = None,
+    session: Session | None = None,
+) -> str | CutoverOutcome:
+    """A person's order to the journal's rolling cutover, as Argo Rollouts takes them. To one
+    running in another process (which holds the traffic lock): pause or abort at its next box,
+    `promote --full` skips its remaining soaks; each is a journal row it reads between boxes.
+    To one paused: promote goes on from its box (as --resume), abort moves every box back."""
+    with open_journal(inv) as journal:
+        record = journal.latest(state="running") or journal.latest(state="paused")
+        if record is None or record.strategy != "rolling":
+            raise InputError("no rolling cutover in progress or paused in the journal")
+        name = "promote-full" if what == "promote" and full else what
+        if record.state == "running":
+            if name == "promote":
+                raise InputError(
+                    f"cutover {record.id} is running, not paused: promote --full skips its "
+                    "remaining soaks"
+                )
+            journal.step(record.id, ORDERS[name], f"{name}-ordered", {}, "done", f"kdctl {what}")
+            return f"cutover {record.id}: {what} ordered; heeded at its next box"
+        if name == "promote-full":
+            journal.step(record.id, ORDERS[name], f"{name}-ordered", {}, "done", f"kdctl {what}")
+    if what == "pause":
+        return f"cutover {record.id} is paused already"
+    if what == "abort":
+        backend, _ = rollback(inv, store, confirm=confirm, session=session)
+        return f"cutover {record.id} aborted: every box back on {backend}"
+    outcome = cutover(
+        inv, store, None, confirm=confirm, resume=True, on_step=on_step, session=session
+    )
+    assert isinstance(outcome, CutoverOutcome)
+    return outcome

@@ -50,6 +50,33 @@ class HeadroomRefused(AnalysisFailed):
     """The boxes left could not carry the load measured now: nothing was taken out."""
 
 
+class Ordered(KdctlError):
+    """A person's order, heeded between boxes: `kdctl cutover pause` or `abort`."""
+
+    exit_code = 1
+
+
+# A person's orders to a rollout another process runs, as journal rows the runner reads
+# between boxes (the process holds the traffic lock; an order needs none), and the row a
+# resume writes, after which earlier orders are spent. Numbered below the plan's steps (0 on),
+# which a fleet's plan may have thousands of.
+ORDERS = {"pause": -10, "abort": -11, "promote-full": -12}
+RESUMED = -13
+ROLLBACK_ORDERED = -14
+# Where the steps that put a box back are numbered from: past any plan's.
+_BOX_ROLLBACK_IDX = 1_000_000
+
+
+def orders(journal: Journal, cid: str) -> set[str]:
+    """The orders given since the rollout last (re)started."""
+    record = journal.get(cid)
+    if record is None:
+        return set()
+    resumed = max((r.at for r in record.steps if r.idx == RESUMED), default=None)
+    given = {r.idx for r in record.steps if resumed is None or r.at > resumed}
+    return {name for name, idx in ORDERS.items() if idx in given}
+
+
 @dataclass(frozen=True)
 class Box:
     """One box of a rolling cutover: the replica it serves now and the one to take its place."""
@@ -178,6 +205,24 @@ class RollingRunner(Runner):
             return result.said()
         return super()._apply(plan, step, on_written)
 
+    # The order that stopped it, where one did.
+    stopped_by: str | None = None
+
+    def before(self, cid: str, plan: Plan, idx: int) -> None:
+        """At a box's (or a wave's) first step: a person's pause or abort is heeded here,
+        never halfway through a box."""
+        step = plan.steps[idx]
+        if isinstance(step, Soak) and "promote-full" in orders(self.journal, cid):
+            return
+        if not isinstance(step, Headroom | RemoveFromRouters):
+            return
+        given = orders(self.journal, cid) - {"promote-full"}
+        if given:
+            self.stopped_by = "abort" if "abort" in given else "pause"
+            raise Ordered(
+                f"{self.stopped_by} ordered by a person (kdctl cutover {self.stopped_by})"
+            )
+
     def _smoke(self, plan: Plan, name: str) -> str:
         # Held to the golden outputs of the replica it takes over from, on the same box.
         box = next(b for b in boxes_of(plan) if b.new == name)
@@ -189,7 +234,12 @@ class RollingRunner(Runner):
         """The boxes the failed step left between engines back on their old ones, then the
         rollout paused with the reason; the boxes moved before stay moved. Where putting a box
         back fails too, the outcome says so and what to run."""
-        unsettled = _unsettled(plan, self.failed_at) if self.failed_at is not None else []
+        if self.stopped_by == "abort":  # every box it moved goes back
+            back_all(self.inv, self.router, self.session, plan, self.journal, cid)
+            best_effort(self.journal.finish, cid, "rolled_back", reason)
+            return "rolled_back"
+        at = self.failed_at if self.stopped_by is None else None
+        unsettled = _unsettled(plan, at) if at is not None else []
         for box in unsettled:
             try:
                 back_on_old(self.inv, self.router, self.session, box, self.journal, cid)
@@ -255,6 +305,21 @@ def _unsettled(plan: Plan, at: int) -> list[Box]:
     return [b for b in boxes if name in (b.old, b.new)]
 
 
+def moved(plan: Plan, serving: Sequence[str]) -> list[Box]:
+    """The boxes a rolling cutover moved or left between engines, the last moved first."""
+    return [b for b in reversed(boxes_of(plan)) if b.new in serving or b.old not in serving]
+
+
+def back_all(
+    inv: LoadedInventory, router: Router, session: Session, plan: Plan, journal: Journal, cid: str
+) -> list[Box]:
+    """Every box moved back on its old engine, one at a time, each confirmed."""
+    boxes = moved(plan, router.read().serving)
+    for box in boxes:
+        back_on_old(inv, router, session, box, journal, cid)
+    return boxes
+
+
 def back_on_old(
     inv: LoadedInventory,
     router: Router,
@@ -264,10 +329,10 @@ def back_on_old(
     cid: str,
 ) -> None:
     """One box back on its old engine: the new one out of the routers and stopped, the old one
-    started and put back, each journaled (numbered after the plan's steps, so a resume never
+    started and put back, each journaled (numbered past the plan's steps, so a resume never
     takes them for it); the routers read back and confirmed."""
     record = journal.get(cid)
-    idx = 1000 + (len(record.steps) if record else 0)
+    idx = _BOX_ROLLBACK_IDX + (len(record.steps) if record else 0)
 
     def step(kind: str, backend: str, run: Callable[[], object]) -> None:
         nonlocal idx

@@ -74,6 +74,9 @@ class Runner:
             self.store.record(self.session.binder.bind_result(promoted))
         return outcome
 
+    def before(self, cid: str, plan: Plan, idx: int) -> None:
+        """Called before step `idx` is journaled: where a strategy heeds a person's order."""
+
     def promotions(self, outcome: CutoverOutcome, started: datetime) -> list[GateResult]:
         """The evidence the cutover leaves about where it moved traffic."""
         return [record_promotion(self.inv, outcome, started)]
@@ -83,6 +86,7 @@ class Runner:
             for idx, step in enumerate(plan.steps):
                 if idx in skip:
                     continue
+                self.before(cid, plan, idx)
                 if self.on_step:
                     self.on_step(idx, step)
                 # The journal first: a step it cannot record is never applied.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +29,7 @@ from kdctl.transports import TransportPool
 from tests.conftest import kdctl, kdctl_start, need_sglang_router, warm_argv, write_inventory
 from tests.support.box import Box, make_box
 from tests.support.sshd import free_port
-from tests.support.traffic import Load
+from tests.support.traffic import Load, kill_when
 
 BOX_DIR = "/var/lib/kdctl-box"
 OLD_PORT, NEW_PORT = 30000, 30001
@@ -159,15 +160,24 @@ def test_a_fleet_rolls_box_by_box_under_load_and_back(fleet: Fleet, report: Any)
     per_box += ["smoke-gate", "add-to-routers"]
     assert kinds == [k for _ in range(4) for k in ("headroom", *per_box, "soak")], kinds
 
+    # SIGKILLed twice at random journal rows, each time status checked against what every
+    # box runs and the rollout resumed; then rolled back, killed once more and resumed.
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    db = load_inventory(fleet.inventory).state_dir / "traffic.sqlite"
+    rows = "SELECT count(*) FROM steps"
+    start = ["cutover", "--to", "native", "--watch", "2", "--force", "--yes", "-i", inv]
+    resume = ["cutover", "--resume", "--yes", "-i", inv]
+    kills = []
     with Load(fleet.front) as load:
-        run = kdctl(
-            "cutover", "--to", "native", "--watch", "2", "--force", "--yes", "-i", inv,
-            timeout=600,
-        )  # fmt: skip
-    assert run.code == 0, run.out + run.err
-    assert load.sent > 0 and load.failures == [], load.failures[:5]
-    assert _router_serves(fleet) == [f"native@box{i}" for i in range(1, 5)]
-
+        for args in (start, resume):
+            at = _rows(db) + rng.randint(4, 30)
+            kill_when(args, db, rows, at)
+            kills.append(at)
+            _true_to_the_boxes(fleet, f"seed {seed}, killed at row {at}")
+        run = kdctl(*resume, timeout=600)
+    assert run.code == 0, f"seed {seed}: " + run.out + run.err
+    assert load.sent > 0 and load.failures == [], (seed, load.failures[:5])
     status = json.loads(kdctl("status", "--json", "-i", inv).out)
     pools = {p["name"]: p["summary"] for p in status["pools"]}
     assert pools == {"sglang": "0/4 replicas up", "native": "4/4 replicas up"}, pools
@@ -177,10 +187,45 @@ def test_a_fleet_rolls_box_by_box_under_load_and_back(fleet: Fleet, report: Any)
     )
 
     with Load(fleet.front) as load:
-        back = kdctl("rollback", "--yes", "-i", inv, timeout=600)
-    assert back.code == 0, back.out + back.err
-    assert load.failures == [], load.failures[:5]
+        at = _rows(db) + rng.randint(2, 12)
+        kill_when(["rollback", "--yes", "-i", inv], db, rows, at)
+        _true_to_the_boxes(fleet, f"seed {seed}, rollback killed at row {at}")
+        back = kdctl(*resume, timeout=600)
+    # A resumed rollback ends as the cutover's rollback: exit 1, rolled back.
+    assert back.code == 1 and "rolled_back: rollback resumed" in back.out, (
+        f"seed {seed}: " + back.out + back.err
+    )
+    assert load.failures == [], (seed, load.failures[:5])
     assert _router_serves(fleet) == [f"sglang@box{i}" for i in range(1, 5)]
+    report(
+        f"rolling cutover killed at journal rows {kills}, its rollback at {at} (seed {seed}): "
+        "status true to every box each time, resumed to the end, 0 failed requests"
+    )
+
+
+def _rows(db: Path) -> int:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return int(conn.execute("SELECT count(*) FROM steps").fetchone()[0])
+
+
+def _true_to_the_boxes(fleet: Fleet, said: str) -> None:
+    """status after a kill: the rollout's table names, for every box, the engine the router
+    sends to there, and that engine answers; a box the router sends to neither is between
+    engines, and said so."""
+    doc = json.loads(kdctl("status", "--json", "-i", str(fleet.inventory)).out)
+    rollout = doc["traffic"]["cutover_in_progress"]
+    assert rollout is not None and rollout["state"] == "running", (said, rollout)
+    states = {b["name"]: b["state"] for b in doc["backends"]}
+    routed = set(_router_serves(fleet))
+    for box in rollout["boxes"]:
+        in_router = {n for n in routed if n.endswith(f"@{box['host']}")}
+        if box["engine"] is None:
+            assert not in_router, (said, box, routed)
+            continue
+        replica = f"{box['engine']}@{box['host']}"
+        assert replica in routed and states[replica] == "up", (said, box, states)
 
 
 def test_a_box_that_fails_its_smoke_gate_goes_back_and_the_rollout_pauses(

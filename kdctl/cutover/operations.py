@@ -176,6 +176,8 @@ def _resume(
             raise InputError(f"no interrupted cutover in the journal{said}")
         journal.supersede(f"superseded by cutover {record.id}", keep=record.id)
         plan = _journaled_plan(record, "resumed from the journal")
+        if plan.strategy == "rolling":
+            return _resume_rolling(inv, store, router, journal, session, confirm, on_step, force)
         live = router.read()
         if any(s.kind.startswith("rollback-") for s in record.steps):
             # It was being rolled back when it stopped: resuming finishes the rollback.
@@ -195,8 +197,6 @@ def _resume(
                 reason="rollback resumed",
                 router=state,
             )
-        if plan.strategy == "rolling":
-            return _resume_rolling(inv, store, router, journal, session, confirm, on_step, force)
         expected = _resumable_weights(plan, record)
         if live.weights not in expected:
             raise Refused(
@@ -400,10 +400,12 @@ def _rollback_rolling(
     ):
         raise Refused("rollback not confirmed; nothing changed")
     journal.step(record.id, ROLLBACK_ORDERED, "rollback-ordered", {}, "done", "kdctl rollback")
+    # In progress again until every box is back: status shows it, and a rollback cut off
+    # halfway is finished by --resume (or by this command again).
+    journal.reopen(record.id)
     back_all(inv, router, session, plan, journal, record.id)
     state = router.confirm(router.read().weights)
-    if record.state in ("running", "paused"):
-        journal.finish(record.id, "rolled_back", "kdctl rollback")
+    journal.finish(record.id, "rolled_back", "kdctl rollback")
     journal.supersede(f"superseded by the rollback of {record.id}")
     for box in boxes_of(plan):
         store.record(

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from kdctl.backends.errors import BackendError
 from kdctl.checks.promotion import promotion_result
 from kdctl.cutover.analysis import AnalysisFailed, watch_front
 from kdctl.cutover.plan import (
@@ -141,7 +142,11 @@ def drain_engine(session: Session, name: str, deadline_s: float) -> str:
     deadline = time.monotonic() + deadline_s
     with session.backend(name, timeout=5) as be:
         while True:
-            load = be.load()
+            try:
+                load = be.load()
+            except BackendError as exc:
+                # Done again after kdctl was cut off past the stop: nothing runs to drain.
+                return f"{name} does not answer ({exc}): nothing to drain"
             if load is None:
                 return f"{name} exports no running-requests gauge: stopped without a drain"
             if load.running == 0:

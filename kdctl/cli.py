@@ -306,6 +306,12 @@ def cutover_cmd(
             "--max-unavailable", min=1, help="Rolling: boxes taken out of the pool at a time."
         ),
     ] = 1,
+    on_fail: Annotated[
+        Literal["pause", "abort"],
+        typer.Option(
+            "--on-fail", help="Rolling: a failed box pauses the rollout, or moves every box back."
+        ),
+    ] = "pause",
     steps: Annotated[
         str, typer.Option("--steps", help="Canary weights, percent, rising to 100.")
     ] = "5,25,50,100",
@@ -363,6 +369,7 @@ def cutover_cmd(
                 dry_run=dry_run,
                 resume=resume,
                 max_unavailable=max_unavailable,
+                on_fail=on_fail,
                 on_step=None
                 if json_
                 else lambda i, step: err_print(f"step {i + 1}: {step.describe()}"),

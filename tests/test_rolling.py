@@ -272,6 +272,36 @@ def test_a_box_that_fails_its_smoke_gate_goes_back_and_the_rollout_pauses(
     )
 
 
+def test_on_fail_abort_moves_every_box_back(
+    fleet: Fleet, models: dict[str, Path], report: Any
+) -> None:
+    """--on-fail abort: the box whose smoke gate fails goes back, then every box moved before
+    it, the last moved first; the rollout ends rolled back, not paused."""
+    inv = str(fleet.inventory)
+    serving = _router_serves(fleet)
+    old = serving[0].partition("@")[0]
+    new = "sglang" if old == "native" else "native"
+    recorded = kdctl("baseline", "record", "-b", f"{old}@box3", "--only", "golden", "-i", inv)
+    assert recorded.code == 0, recorded.out + recorded.err
+    wrong = fleet.dirs[2] / f"{new}-model"
+    wrong.unlink()
+    wrong.symlink_to(models["dsv3-draft"])
+    try:
+        with Load(fleet.front) as load:
+            run = kdctl(
+                "cutover", "--to", new, "--on-fail", "abort", "--watch", "1", "--force", "--yes",
+                "-i", inv, timeout=600,
+            )  # fmt: skip
+    finally:
+        wrong.unlink()
+        wrong.symlink_to(models["dsv3"])
+    assert run.code == 1, run.out + run.err
+    assert "rolled_back" in run.out and "smoke gate failed" in run.out, run.out
+    assert load.failures == [], load.failures[:5]
+    assert _router_serves(fleet) == serving
+    report(f"--on-fail abort: box 3 failed its smoke gate, boxes 3, 2, 1 back on {old}")
+
+
 def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
     fleet: Fleet, tmp_path: Path
 ) -> None:

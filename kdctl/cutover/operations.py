@@ -60,6 +60,7 @@ def cutover(
     dry_run: bool = False,
     resume: bool = False,
     max_unavailable: int = 1,
+    on_fail: Literal["pause", "abort"] = "pause",
     on_step: Callable[[int, Step], None] | None = None,
     session: Session | None = None,
 ) -> Plan | CutoverOutcome:
@@ -117,6 +118,8 @@ def cutover(
             runner = _runner(plan)(
                 inv, router, journal, store, s, on_step=on_step, forced=force or bool(blocking)
             )
+            if isinstance(runner, RollingRunner):
+                runner.on_fail = on_fail
             return runner.run(cid, plan)
 
 

@@ -212,6 +212,8 @@ class RollingRunner(Runner):
 
     # The order that stopped it, where one did.
     stopped_by: str | None = None
+    # What a failed box leads to: a pause for a person (Argo's), or every box moved back.
+    on_fail: Literal["pause", "abort"] = "pause"
 
     def before(self, cid: str, plan: Plan, idx: int) -> None:
         """At a box's (or a wave's) first step: a person's pause or abort is heeded here,
@@ -237,24 +239,27 @@ class RollingRunner(Runner):
         self, cid: str, plan: Plan, reason: str
     ) -> Literal["failed", "rolled_back", "paused"]:
         """The boxes the failed step left between engines back on their old ones, then the
-        rollout paused with the reason; the boxes moved before stay moved. Where putting a box
-        back fails too, the outcome says so and what to run."""
-        if self.stopped_by == "abort":  # every box it moved goes back
-            back_all(self.inv, self.router, self.session, plan, self.journal, cid)
-            best_effort(self.journal.finish, cid, "rolled_back", reason)
-            return "rolled_back"
+        rollout paused with the reason, the boxes moved before staying moved; aborted (by a
+        person, or by --on-fail abort), every box goes back, the last moved first. Where
+        putting a box back fails too, the outcome says so and what to run."""
+        abort = self.stopped_by == "abort" or (self.stopped_by is None and self.on_fail == "abort")
         at = self.failed_at if self.stopped_by is None else None
         unsettled = _unsettled(plan, at) if at is not None else []
-        for box in unsettled:
-            try:
+        box: Box | None = None
+        try:
+            for box in unsettled:
                 back_on_old(self.inv, self.router, self.session, box, self.journal, cid)
-            except (Exception, KeyboardInterrupt) as exc:
-                said = (
-                    f"{reason}; putting {box.old} back on {self.inv.backends[box.old].host} "
-                    f"failed too: {why(exc)}; to restore it run: kdctl rollback"
-                )
-                best_effort(self.journal.finish, cid, "failed", said)
-                raise CutoverAborted(said) from None
+            if abort:
+                box = None
+                back_all(self.inv, self.router, self.session, plan, self.journal, cid)
+        except (Exception, KeyboardInterrupt) as exc:
+            which = f"putting {box.old} back" if box else "moving the boxes back"
+            said = f"{reason}; {which} failed too: {why(exc)}; to restore it run: kdctl rollback"
+            best_effort(self.journal.finish, cid, "failed", said)
+            raise CutoverAborted(said) from None
+        if abort:
+            best_effort(self.journal.finish, cid, "rolled_back", f"{reason}; every box back")
+            return "rolled_back"
         back = (
             f" ({', '.join(b.old for b in unsettled)} back on the old engine)" if unsettled else ""
         )

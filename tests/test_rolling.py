@@ -1,5 +1,5 @@
-"""A rolling cutover of a fleet: four boxes (network namespaces with their own sshd, each
-seeing a folder of its own at /var/lib/kdctl-box), SGLang's real router in front, on each box
+"""A rolling cutover of a fleet (tests/support/fleet.py): four boxes, each a network
+namespace with its own sshd and a folder of its own, SGLang's real router in front, on each box
 an old and a new engine (kdctl's reference server, started by kdctl through the box's SSH
 login) that cannot run at once: each holds the box's GPU stand-in, a lock the other's start
 needs (flock -n), as an engine holds its GPUs."""
@@ -10,50 +10,17 @@ import contextlib
 import json
 import os
 import random
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kdctl.backends import wait_http
-from kdctl.backends.reference import serve_argv
 from kdctl.inventory import load_inventory
-from kdctl.traffic import router_argv
 from kdctl.transports import TransportPool
 from tests.conftest import kdctl, kdctl_start, need_sglang_router, warm_argv, write_inventory
-from tests.support.box import Box, make_box
-from tests.support.sshd import free_port
+from tests.support.fleet import Fleet, rolling_fleet
 from tests.support.traffic import Load, kill_when
-
-BOX_DIR = "/var/lib/kdctl-box"
-OLD_PORT, NEW_PORT = 30000, 30001
-
-
-@dataclass
-class Fleet:
-    boxes: list[Box]
-    inventory: Path
-    front: str
-    # Each box's folder, seen on the box at BOX_DIR.
-    dirs: list[Path]
-
-
-def _service(port: int, name: str) -> dict[str, Any]:
-    """An engine's service on a box: it starts only while the box's GPU lock is free, and
-    holds it while it runs; it serves the checkpoint the box's `NAME-model` link points at."""
-    model = f"{BOX_DIR}/{name}-model"
-    serve = [*serve_argv(model, port, served_name="tiny"), "--host", "0.0.0.0"]
-    return {
-        "command": ["flock", "-n", f"{BOX_DIR}/gpu.lock", *warm_argv(serve)],
-        "pidfile": f"{BOX_DIR}/{name}.pid",
-        "log": f"{BOX_DIR}/{name}.log",
-    }
 
 
 @pytest.fixture(scope="module")
@@ -63,79 +30,8 @@ def fleet(models: dict[str, Path]) -> Iterator[Fleet]:
         pytest.skip("a network namespace needs root")
     need_sglang_router()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    root = Path(tempfile.mkdtemp(prefix="kdctl-rolling-"))
-    root.chmod(0o755)
-    Path(BOX_DIR).mkdir(parents=True, exist_ok=True)
-    boxes: list[Box] = []
-    router: subprocess.Popen[bytes] | None = None
-    inv_path = root / "inv.yaml"
-    try:
-        for i in range(1, 5):
-            own = root / f"box{i}"
-            own.mkdir(mode=0o755)
-            for name in ("sglang", "native"):
-                (own / f"{name}-model").symlink_to(models["dsv3"])
-            boxes.append(make_box(root / f"b{i}", f"rl{i}{worker}"[:9], mounts={BOX_DIR: own}))
-        port = free_port()
-        data: dict[str, Any] = {
-            "hosts": {f"box{i}": b.host_entry(user="root") for i, b in enumerate(boxes, 1)},
-            "groups": {"boxes": [f"box{i}" for i in range(1, 5)]},
-            "backends": {
-                "sglang": {
-                    "kind": "sglang",
-                    "model": f"{BOX_DIR}/sglang-model",
-                    "gpus": [0],
-                    "replicas": {"group": "boxes", "port": OLD_PORT},
-                    "service": _service(OLD_PORT, "sglang"),
-                },
-                "native": {
-                    "kind": "native",
-                    "model": f"{BOX_DIR}/native-model",
-                    "gpus": [0],
-                    "replicas": {"group": "boxes", "port": NEW_PORT},
-                    "service": _service(NEW_PORT, "native"),
-                },
-            },
-            "router": {
-                "kind": "sglang-router",
-                "host": "local-router",
-                "listen": f"127.0.0.1:{port}",
-                "serving": "sglang@box1",
-            },
-            "gates": {"exactness": {"max_new_tokens": 4, "top_k": 3}},
-            "state_dir": str(root / "state"),
-        }
-        data["hosts"]["local-router"] = {"transport": "local"}
-        write_inventory(inv_path, data)
-        inv = load_inventory(inv_path)
-        from kdctl.cutover.runner import change_engine
-        from kdctl.session import Session
-
-        with Session(inv) as session, ThreadPoolExecutor(4) as pool:
-            started = pool.map(
-                lambda n: change_engine(inv, session, n, "start"), inv.pools["sglang"]
-            )
-            assert all("ready" in s for s in started)
-        urls = [inv.backends[n].url or "" for n in inv.pools["sglang"]]
-        router = subprocess.Popen(
-            router_argv(port, urls, prometheus_port=free_port()),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_http(f"http://127.0.0.1:{port}/readiness", deadline_s=60)
-        dirs = [root / f"box{i}" for i in range(1, 5)]
-        yield Fleet(boxes, inv_path, f"http://127.0.0.1:{port}", dirs)
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        # Whatever still runs on a box (its pidfile says) goes with the box.
-        for pidfile in root.glob("box*/*.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(pidfile.read_text().split()[0]), 9)
-        for box in boxes:
-            box.close()
-        shutil.rmtree(root, ignore_errors=True)
+    with rolling_fleet(models["dsv3"], tag=worker, wrap=warm_argv) as fleet:
+        yield fleet
 
 
 def _router_serves(fleet: Fleet) -> list[str]:

@@ -1,0 +1,135 @@
+"""A fleet on this machine: boxes that are network namespaces with their own sshd (box.py),
+each seeing a folder of its own at BOX_DIR, where two engines of kdctl's reference server, an
+old pool's and a new pool's, cannot run at once: each holds the box's GPU stand-in, a lock the
+other's start needs (flock -n), as an engine holds its GPUs. kdctl starts them through the box's
+SSH login; SGLang's router fronts the old pool. What tests/test_rolling.py and
+benchmarks/rolling_capacity.py run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kdctl.backends import wait_http
+from kdctl.backends.reference import serve_argv
+from kdctl.inventory import load_inventory
+from kdctl.traffic import router_argv
+from tests.support.box import Box, make_box
+from tests.support.sshd import free_port
+
+BOX_DIR = "/var/lib/kdctl-box"
+OLD_PORT, NEW_PORT = 30000, 30001
+
+
+@dataclass
+class Fleet:
+    boxes: list[Box]
+    inventory: Path
+    front: str
+    # Each box's folder, seen on the box at BOX_DIR.
+    dirs: list[Path]
+
+
+def _service(port: int, name: str, wrap: Callable[[list[str]], list[str]]) -> dict[str, Any]:
+    """An engine's service on a box: it starts only while the box's GPU lock is free, and
+    holds it while it runs; it serves the checkpoint the box's `NAME-model` link points at."""
+    model = f"{BOX_DIR}/{name}-model"
+    serve = [*serve_argv(model, port, served_name="tiny"), "--host", "0.0.0.0"]
+    return {
+        "command": ["flock", "-n", f"{BOX_DIR}/gpu.lock", *wrap(serve)],
+        "pidfile": f"{BOX_DIR}/{name}.pid",
+        "log": f"{BOX_DIR}/{name}.log",
+    }
+
+
+@contextlib.contextmanager
+def rolling_fleet(
+    model: Path,
+    *,
+    tag: str,
+    size: int = 4,
+    wrap: Callable[[list[str]], list[str]] = list,
+) -> Iterator[Fleet]:
+    """`size` boxes running pool `sglang`, pool `native` stopped, SGLang's router in front of
+    the first; `tag` keeps two runs' boxes apart, `wrap` turns an engine's command line into
+    the one its service runs."""
+    root = Path(tempfile.mkdtemp(prefix="kdctl-rolling-"))
+    root.chmod(0o755)
+    Path(BOX_DIR).mkdir(parents=True, exist_ok=True)
+    boxes: list[Box] = []
+    router: subprocess.Popen[bytes] | None = None
+    inv_path = root / "inv.yaml"
+    names = [f"box{i}" for i in range(1, size + 1)]
+    try:
+        for i, name in enumerate(names, 1):
+            own = root / name
+            own.mkdir(mode=0o755)
+            for pool in ("sglang", "native"):
+                (own / f"{pool}-model").symlink_to(model)
+            boxes.append(make_box(root / f"b{i}", f"rl{i}{tag}"[:9], mounts={BOX_DIR: own}))
+        port = free_port()
+        data: dict[str, Any] = {
+            "hosts": {n: b.host_entry(user="root") for n, b in zip(names, boxes, strict=True)},
+            "groups": {"boxes": names},
+            "backends": {
+                pool: {
+                    "kind": kind,
+                    "model": f"{BOX_DIR}/{pool}-model",
+                    "gpus": [0],
+                    "replicas": {"group": "boxes", "port": p},
+                    "service": _service(p, pool, wrap),
+                }
+                for pool, kind, p in (
+                    ("sglang", "sglang", OLD_PORT),
+                    ("native", "native", NEW_PORT),
+                )
+            },
+            "router": {
+                "kind": "sglang-router",
+                "host": "local-router",
+                "listen": f"127.0.0.1:{port}",
+                "serving": "sglang@box1",
+            },
+            "gates": {"exactness": {"max_new_tokens": 4, "top_k": 3}},
+            "state_dir": str(root / "state"),
+        }
+        data["hosts"]["local-router"] = {"transport": "local"}
+        inv_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        inv = load_inventory(inv_path)
+        from kdctl.cutover.runner import change_engine
+        from kdctl.session import Session
+
+        with Session(inv) as session, ThreadPoolExecutor(size) as pool:
+            started = pool.map(
+                lambda n: change_engine(inv, session, n, "start"), inv.pools["sglang"]
+            )
+            assert all("ready" in s for s in started)
+        urls = [inv.backends[n].url or "" for n in inv.pools["sglang"]]
+        router = subprocess.Popen(
+            router_argv(port, urls, prometheus_port=free_port()),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_http(f"http://127.0.0.1:{port}/readiness", deadline_s=60)
+        yield Fleet(boxes, inv_path, f"http://127.0.0.1:{port}", [root / n for n in names])
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        # Whatever still runs on a box (its pidfile says) goes with the box.
+        for pidfile in root.glob("box*/*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text().split()[0]), 9)
+        for box in boxes:
+            box.close()
+        shutil.rmtree(root, ignore_errors=True)

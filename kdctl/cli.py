@@ -234,6 +234,7 @@ def report(
     deep: DeepOpt = False,
 ) -> None:
     """The readiness report for CI. Exit 0 when the target phase is reachable now, 1 when not."""
+    from kdctl.cutover import cutover_in_progress
     from kdctl.readiness import assess
     from kdctl.report import parse_formats, render_reports
 
@@ -249,7 +250,15 @@ def report(
             timeout_s=timeout,
             deep=deep,
         )
-        written = render_reports(found, store, chosen, output, inventory=str(inv.path))
+        routed = found.answers.serving.routed
+        written = render_reports(
+            found,
+            store,
+            chosen,
+            output,
+            inventory=str(inv.path),
+            in_progress=cutover_in_progress(inv, routed.weights if routed else {}),
+        )
     # The exit code is answer 3 itself: a CI job gated on it agrees with the text.
     reachable = found.answers.cutover.can_cut_over is True
     if json_:

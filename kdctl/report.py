@@ -278,8 +278,11 @@ def render_reports(
     *,
     inventory: str,
     now: datetime | None = None,
+    in_progress: dict[str, Any] | None = None,
 ) -> list[Path]:
-    """Write each chosen format into `out_dir`; each file is written whole, then renamed."""
+    """Write each chosen format into `out_dir`; each file is written whole, then renamed.
+    `in_progress`: the journal's unfinished cutover (`cutover_in_progress`), a rolling one's
+    boxes with it."""
     now = now or utcnow()
     phases = readiness.phases
     doc: dict[str, Any] = {
@@ -288,6 +291,7 @@ def render_reports(
         "inventory": inventory,
         "answers": readiness.answers.model_dump(mode="json"),
         "phases": phases.model_dump(mode="json") if phases else None,
+        "cutover_in_progress": in_progress,
     }
     context = {
         "doc": doc,
@@ -296,6 +300,7 @@ def render_reports(
         "why": readiness.answers.why_not_now(),
         "details": readiness.answers.details(),
         "phases": phases,
+        "in_progress": in_progress,
         "charts": collect_charts(store, phases),
         "generated_at": now.strftime("%Y-%m-%d %H:%M:%SZ"),
         "version": __version__,

@@ -12,7 +12,7 @@ from kdctl._httpclient import http_client
 from kdctl.backends import HEALTH_TIMEOUT_S, EngineInfo, HealthResult, make_backend, probe_health
 from kdctl.backends.health import BackendState
 from kdctl.checks import provenance_for
-from kdctl.cutover.rolling import rollout
+from kdctl.cutover import cutover_in_progress
 from kdctl.errors import KdctlError
 from kdctl.evidence import EvidenceStore
 from kdctl.inventory import BackendSpec, LoadedInventory
@@ -29,7 +29,6 @@ from kdctl.readiness import Answers, LatestVerdict, assess, latest_verdicts
 from kdctl.recording import BaselineCoverage, baseline_coverage
 from kdctl.serving import FrontAnswer, ServingProbe, probe_serving
 from kdctl.session import Identity, Session, recorded_identities, using
-from kdctl.traffic import open_journal
 from kdctl.transports import fan_out
 
 
@@ -436,25 +435,7 @@ def traffic_status(inventory: LoadedInventory, serving: ServingProbe) -> Traffic
         )
         if routed.error:
             traffic.detail = f"router not read back ({routed.error})"
-    if (inventory.state_dir / "traffic.sqlite").exists():
-        with open_journal(inventory) as journal:
-            open_one = journal.latest(state="running") or journal.latest(state="paused")
-        if open_one is not None:
-            traffic.cutover_in_progress = {
-                "id": open_one.id,
-                "state": open_one.state,
-                "reason": open_one.reason,
-                "from": open_one.from_backend,
-                "to": open_one.to_backend,
-                "strategy": open_one.strategy,
-                # The plan's own steps: not a rollback's, nor a person's orders.
-                "steps_done": len({i for i in open_one.done_steps if 0 <= i < len(open_one.plan)}),
-                "steps": len(open_one.plan),
-                "holder": open_one.holder,
-            }
-            if open_one.strategy == "rolling":
-                serving_now = [n for n, w in (routed.weights if routed else {}).items() if w > 0]
-                traffic.cutover_in_progress |= rollout(inventory, open_one, serving_now).model_dump(
-                    mode="json"
-                )
+    traffic.cutover_in_progress = cutover_in_progress(
+        inventory, routed.weights if routed is not None else {}
+    )
     return traffic

@@ -154,6 +154,14 @@ def test_a_box_that_fails_its_smoke_gate_goes_back_and_the_rollout_pauses(
     text = " ".join(kdctl("status", "-i", inv).out.split())
     assert "Serving now: native on 2/4 boxes, sglang on 2/4 through sglang-router" in text, text
     assert "Cutover paused" in text and "Wave 3 of 4" in text and "box3: sglang" in text, text
+    # The report carries the same table.
+    out = fleet.dirs[0].parent / "report"
+    made = kdctl("report", "-f", "markdown,json", "-o", str(out), "-i", inv)
+    assert made.code == 1, made.out + made.err  # no roadmap: no target reachable
+    shown = json.loads((out / "report.json").read_text())["cutover_in_progress"]
+    assert [b["engine"] for b in shown["boxes"]] == ["native", "native", "sglang", "sglang"]
+    markdown = (out / "report.md").read_text()
+    assert "Wave 3 of 4" in markdown and "| box3 | sglang |" in markdown, markdown
 
     wrong.unlink()
     wrong.symlink_to(models["dsv3"])

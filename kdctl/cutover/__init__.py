@@ -6,7 +6,14 @@ journal it writes through stay in `kdctl.traffic`, a layer below the readiness a
 package consults."""
 
 from kdctl.cutover.analysis import AnalysisFailed, WatchResult
-from kdctl.cutover.operations import Order, Refused, cutover, order, rollback
+from kdctl.cutover.operations import (
+    Order,
+    Refused,
+    cutover,
+    cutover_in_progress,
+    order,
+    rollback,
+)
 from kdctl.cutover.plan import DEFAULT_STEPS, Plan, Step, Strategy, parse_steps, plan_cutover
 from kdctl.cutover.runner import CutoverAborted, CutoverOutcome, preflight
 
@@ -22,6 +29,7 @@ __all__ = [
     "Strategy",
     "WatchResult",
     "cutover",
+    "cutover_in_progress",
     "order",
     "parse_steps",
     "plan_cutover",

@@ -4,9 +4,9 @@ the lock, the journal, the plan, and the read-back of the router after every cha
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from kdctl.checks.promotion import promotion_result
 from kdctl.cutover.plan import (
@@ -27,6 +27,7 @@ from kdctl.cutover.rolling import (
     boxes_of,
     first_of_box,
     moved,
+    rollout,
 )
 from kdctl.cutover.runner import CutoverOutcome, Runner, preflight, restore
 from kdctl.errors import InputError, KdctlError
@@ -485,3 +486,31 @@ def order(
     )
     assert isinstance(outcome, CutoverOutcome)
     return outcome
+
+
+def cutover_in_progress(inv: LoadedInventory, weights: Mapping[str, int]) -> dict[str, Any] | None:
+    """The journal's cutover that has not finished, or a rolling one paused, as status and the
+    report show it; a rolling one with its wave and each box's engine in the router, by
+    `weights` as the router was read back."""
+    if not (inv.state_dir / "traffic.sqlite").exists():
+        return None
+    with open_journal(inv) as journal:
+        record = journal.latest(state="running") or journal.latest(state="paused")
+    if record is None:
+        return None
+    shown: dict[str, Any] = {
+        "id": record.id,
+        "state": record.state,
+        "reason": record.reason,
+        "from": record.from_backend,
+        "to": record.to_backend,
+        "strategy": record.strategy,
+        # The plan's own steps: not a rollback's, nor a person's orders.
+        "steps_done": len({i for i in record.done_steps if 0 <= i < len(record.plan)}),
+        "steps": len(record.plan),
+        "holder": record.holder,
+    }
+    if record.strategy == "rolling":
+        serving = [n for n, w in weights.items() if w > 0]
+        shown |= rollout(inv, record, serving).model_dump(mode="json")
+    return shown

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,23 +82,6 @@ def _nginx_conf(root: Path, include: Path) -> Path:
     return conf
 
 
-# Run inside the box: until each port's /health answers 200.
-_WAIT_READY = """
-import sys, time, urllib.request
-for port in sys.argv[1:]:
-    deadline = time.monotonic() + 170
-    while True:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
-                break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"127.0.0.1:{port} never answered 200")
-        time.sleep(0.2)
-"""
-
-
 @pytest.fixture(scope="module")
 def boxed(models: dict[str, Path]) -> Iterator[Boxed]:
     """The box, the two engines on its loopback (the candidate on every address of the box:
@@ -149,8 +131,7 @@ def boxed(models: dict[str, Path]) -> Iterator[Boxed]:
         for port in ports:
             box.wait_listening(port, timeout_s=180)
         # A reference server listens before its warm-up ends, answering 503 until then.
-        ready = box.run([sys.executable, "-c", _WAIT_READY, *map(str, ports[:2])], timeout=180)
-        assert ready.returncode == 0, ready.stderr
+        box.wait_ready(*ports[:2])
         yield boxed
     finally:
         if hidden is not None:

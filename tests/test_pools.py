@@ -145,16 +145,23 @@ def test_a_bad_pool_is_refused_with_line_and_field(
     assert f"{path}:{line}: " in run.err and needle in run.err, run.err
 
 
-def test_a_router_sends_to_a_backend_or_a_replica_not_to_a_pool(tmp_path: Path) -> None:
+def test_a_router_serves_a_backend_a_pool_or_a_replica(tmp_path: Path) -> None:
     path = tmp_path / "inv.yaml"
     path.write_text(
         POOLS.replace("    api_key_env: POOL_TEST_KEY\n", "")
         + "router: {kind: nginx, host: box1, listen: '127.0.0.1:8000', serving: sglang}\n"
     )
-    run = kdctl("inventory", "check", "-i", str(path))
-    assert run.code == 2 and f"{path}:22: router.serving: sglang is a pool" in run.err, run.err
-    path.write_text(path.read_text().replace("serving: sglang}", "serving: sglang@box2}"))
-    assert kdctl("inventory", "check", "-i", str(path)).code == 0
+    for serving in ("sglang", "sglang@box2", "solo"):
+        text = path.read_text().replace("serving: sglang}", f"serving: {serving}}}")
+        (tmp_path / "one.yaml").write_text(text)
+        run = kdctl("inventory", "check", "-i", str(tmp_path / "one.yaml"))
+        assert run.code == 0, (serving, run.err)
+    text = path.read_text().replace("serving: sglang}", "serving: sglang@box9}")
+    (tmp_path / "bad.yaml").write_text(text)
+    run = kdctl("inventory", "check", "-i", str(tmp_path / "bad.yaml"))
+    assert (
+        run.code == 2 and f"{tmp_path / 'bad.yaml'}:22: router.serving: unknown backend" in run.err
+    )
     run = kdctl("gate", "run", "health", "-b", "sglang@box9", "-i", str(path))
     assert run.code == 2 and "unknown backend 'sglang@box9'" in run.err, run.err
 

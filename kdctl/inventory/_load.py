@@ -473,8 +473,7 @@ def _router_problems(
     spec: Inventory, engines: Mapping[str, _Engine], base: Path
 ) -> Iterable[tuple[Loc, str]]:
     hosts = spec.hosts
-    # What a check may name: a backend, a pool, or one replica of a pool; a router sends to
-    # one engine.
+    # What a router or a check may name: a backend, a pool, or one replica of a pool.
     named = {**spec.backends, **engines}
     if spec.router:
         yield from _key_problems(spec.router, ("router",), base)
@@ -489,13 +488,7 @@ def _router_problems(
         for i, peer in enumerate(getattr(spec.router, "peers", [])):
             if peer.host not in hosts:
                 yield ("router", "peers", i, "host"), unknown_name("host", peer.host, hosts)
-        if isinstance(spec.backends.get(spec.router.serving), PoolSpec):
-            yield (
-                ("router", "serving"),
-                f"{spec.router.serving} is a pool; the router sends to one backend, or to one "
-                "replica (POOL@HOST)",
-            )
-        elif spec.router.serving not in engines:
+        if spec.router.serving not in named:
             yield ("router", "serving"), unknown_name("backend", spec.router.serving, spec.backends)
     for check_name, check in spec.gates.commands.items():
         for i, target in enumerate(check.backends or []):

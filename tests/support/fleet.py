@@ -98,7 +98,7 @@ def rolling_fleet(
                 "kind": "sglang-router",
                 "host": "local-router",
                 "listen": f"127.0.0.1:{port}",
-                "serving": "sglang@box1",
+                "serving": "sglang",
             },
             "gates": {"exactness": {"max_new_tokens": 4, "top_k": 3}},
             "state_dir": str(root / "state"),

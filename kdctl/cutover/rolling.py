@@ -1,6 +1,8 @@
-"""The rolling cutover's steps on a box, and what happens when one fails: that box alone goes
-back to its old engine and the rollout pauses for a person, as Argo Rollouts pauses on an
-inconclusive analysis; the boxes already moved stay moved."""
+"""The rolling cutover's steps on a box (headroom, drain, GPUs free), a person's orders to a
+rollout another process runs (pause, abort, promote --full), where a rollout stands (status's
+table of boxes), and what happens when a box fails: that box alone goes back to its old engine
+and the rollout pauses for a person, as Argo Rollouts pauses on an inconclusive analysis, the
+boxes already moved staying moved (or, under --on-fail abort, every box goes back)."""
 
 from __future__ import annotations
 

@@ -88,10 +88,12 @@ class Box:
     new: str
 
 
-def boxes_of(plan: Plan) -> list[Box]:
+def boxes_of(plan: Plan | Sequence[Step]) -> list[Box]:
+    """The boxes a rolling plan (or its steps, as the journal holds them) moves, in order."""
+    steps = plan.steps if isinstance(plan, Plan) else plan
     return [
         Box(old=s.replaces, new=s.backend)
-        for s in plan.steps
+        for s in steps
         if isinstance(s, SmokeGate) and s.replaces is not None
     ]
 
@@ -394,14 +396,7 @@ def rollout(inv: LoadedInventory, record: CutoverRecord, serving: Sequence[str])
     wave = max((s.wave for s in upto if isinstance(s, Headroom)), default=0)
     waves = sum(isinstance(s, Headroom) for s in steps)
     boxes = []
-    plan = Plan(
-        from_backend=record.from_backend,
-        to_backend=record.to_backend,
-        strategy="rolling",
-        reason="",
-        steps=steps,
-    )
-    for box in boxes_of(plan):
+    for box in boxes_of(steps):
         engine = next((inv.pool_of(n) for n in (box.new, box.old) if n in serving), None)
         mine = [r for r in record.steps if r.detail.get("backend") in (box.old, box.new)]
         last = max(mine, key=lambda r: r.at, default=None)

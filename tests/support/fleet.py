@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -126,10 +127,11 @@ def rolling_fleet(
         if router is not None:
             router.terminate()
             router.wait(10)
-        # Whatever still runs on a box (its pidfile says) goes with the box.
+        # Whatever still runs on a box (its pidfile says) goes with the box: the whole process
+        # group kdctl started it in (setsid), as its stop would, or flock's child outlives it.
         for pidfile in root.glob("box*/*.pid"):
             with contextlib.suppress(OSError, ValueError):
-                os.kill(int(pidfile.read_text().split()[0]), 9)
+                os.killpg(int(pidfile.read_text().split()[0]), signal.SIGKILL)
         for box in boxes:
             box.close()
         shutil.rmtree(root, ignore_errors=True)

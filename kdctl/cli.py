@@ -104,6 +104,21 @@ def _load(
     return inv
 
 
+def _seconds(option: str, value: str) -> float | None:
+    """A duration option ('90s', '30m', '2h'), or 'none'."""
+    from kdctl.errors import InputError
+    from kdctl.inventory.models import parse_duration
+
+    if value == "none":
+        return None
+    try:
+        return parse_duration(value).total_seconds()
+    except ValueError:
+        raise InputError(
+            f"{option} {value!r}: not a duration such as '90s', '30m' or '2h', nor 'none'"
+        ) from None
+
+
 def _print_json(doc: BaseModel | dict[str, object]) -> None:
     data = doc.model_dump(mode="json") if isinstance(doc, BaseModel) else doc
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
@@ -321,6 +336,14 @@ def cutover_cmd(
             "--on-fail", help="Rolling: a failed box pauses the rollout, or moves every box back."
         ),
     ] = "pause",
+    progress_deadline: Annotated[
+        str,
+        typer.Option(
+            "--progress-deadline",
+            help="Rolling: a step not done this long after it began (a soak: past its own "
+            "length) aborts the rollout, every box back; 'none': no deadline.",
+        ),
+    ] = "30m",
     steps: Annotated[
         str, typer.Option("--steps", help="Canary weights, percent, rising to 100.")
     ] = "5,25,50,100",
@@ -349,7 +372,14 @@ def cutover_cmd(
 ) -> None:
     """Move traffic to a backend, gated by the roadmap's prerequisites. Exit 0 when traffic
     moved, 1 when refused or rolled back, 3 when a router or host failed."""
-    from kdctl.cutover import CutoverOutcome, Plan, cutover, order, parse_steps
+    from kdctl.cutover import (
+        CutoverOutcome,
+        Plan,
+        RollingOptions,
+        cutover,
+        order,
+        parse_steps,
+    )
     from kdctl.tables import outcome_line, plan_lines
 
     weights = parse_steps(steps)
@@ -377,8 +407,11 @@ def cutover_cmd(
                 force=force,
                 dry_run=dry_run,
                 resume=resume,
-                max_unavailable=max_unavailable,
-                on_fail=on_fail,
+                rolling=RollingOptions(
+                    max_unavailable=max_unavailable,
+                    on_fail=on_fail,
+                    progress_deadline_s=_seconds("--progress-deadline", progress_deadline),
+                ),
                 on_step=None
                 if json_
                 else lambda i, step: err_print(f"step {i + 1}: {step.describe()}"),

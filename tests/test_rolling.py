@@ -206,6 +206,55 @@ def test_on_fail_abort_moves_every_box_back(
     report(f"--on-fail abort: box 3 failed its smoke gate, boxes 3, 2, 1 back on {old}")
 
 
+def test_a_step_stuck_past_the_progress_deadline_aborts_the_rollout(
+    fleet: Fleet, report: Any
+) -> None:
+    """Clients that talk to box 1's engine directly, past the router, keep it busy: its drain
+    (a 60 s deadline of its own) is not done by the rollout's 5 s progress deadline, so the
+    rollout aborts, box 1 back in the router, the load through the front unharmed."""
+    import threading
+
+    import httpx
+
+    inv = str(fleet.inventory)
+    serving = _router_serves(fleet)
+    old = serving[0].partition("@")[0]
+    new = "sglang" if old == "native" else "native"
+    url = load_inventory(fleet.inventory).backends[serving[0]].url
+    body = {
+        "input_ids": [11, 12, 13],
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }
+    stop = threading.Event()
+
+    def busy() -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                client.post(f"{url}/generate", json=body)
+
+    # Three overlapping, so its running gauge never reads 0.
+    threads = [threading.Thread(target=busy, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        with Load(fleet.front) as load:
+            run = kdctl(
+                "cutover", "--to", new, "--progress-deadline", "5s", "--watch", "1", "--force",
+                "--yes", "-i", inv, timeout=600,
+            )  # fmt: skip
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert run.code == 1, run.out + run.err
+    said = " ".join(run.out.split())
+    assert "rolled_back" in said and f"drain {serving[0]}" in said, said
+    assert "not done 5s after it began (progress deadline" in said, said
+    assert load.failures == [], load.failures[:5]
+    assert _router_serves(fleet) == serving
+    report(f"progress deadline 5 s: {serving[0]}'s drain stuck, the rollout aborted, box 1 back")
+
+
 def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
     fleet: Fleet, tmp_path: Path
 ) -> None:

@@ -15,6 +15,7 @@ from kdctl.cutover.operations import (
     rollback,
 )
 from kdctl.cutover.plan import DEFAULT_STEPS, Plan, Step, Strategy, parse_steps, plan_cutover
+from kdctl.cutover.rolling import RollingOptions
 from kdctl.cutover.runner import CutoverAborted, CutoverOutcome, preflight
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Order",
     "Plan",
     "Refused",
+    "RollingOptions",
     "Step",
     "Strategy",
     "WatchResult",

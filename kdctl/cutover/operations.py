@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ from kdctl.cutover.rolling import (
     ORDERS,
     RESUMED,
     ROLLBACK_ORDERED,
+    RollingOptions,
     RollingRunner,
     back_all,
     boxes_of,
@@ -48,6 +50,9 @@ class Refused(KdctlError):
     exit_code = 1
 
 
+_ROLLING = RollingOptions()
+
+
 def cutover(
     inv: LoadedInventory,
     store: EvidenceStore,
@@ -60,8 +65,7 @@ def cutover(
     force: bool = False,
     dry_run: bool = False,
     resume: bool = False,
-    max_unavailable: int = 1,
-    on_fail: Literal["pause", "abort"] = "pause",
+    rolling: RollingOptions = _ROLLING,
     on_step: Callable[[int, Step], None] | None = None,
     session: Session | None = None,
 ) -> Plan | CutoverOutcome:
@@ -69,7 +73,9 @@ def cutover(
         journal.check_free()
         router = make_router(inv, s.pool)
         if resume:
-            return _resume(inv, store, router, journal, s, confirm, on_step, force)
+            return _resume(
+                _Resume(inv, store, router, journal, s, confirm, on_step, force, rolling)
+            )
         if to is None:
             raise InputError("--to: which backend to cut over to")
 
@@ -82,7 +88,7 @@ def cutover(
                 strategy=strategy,
                 weights=steps,
                 watch_s=watch_s,
-                max_unavailable=max_unavailable,
+                max_unavailable=rolling.max_unavailable,
             )
 
         plan = planned()
@@ -120,7 +126,7 @@ def cutover(
                 inv, router, journal, store, s, on_step=on_step, forced=force or bool(blocking)
             )
             if isinstance(runner, RollingRunner):
-                runner.on_fail = on_fail
+                runner.options = rolling
             return runner.run(cid, plan)
 
 
@@ -160,16 +166,24 @@ def _cleared(
     return blocking
 
 
-def _resume(
-    inv: LoadedInventory,
-    store: EvidenceStore,
-    router: Router,
-    journal: Journal,
-    session: Session,
-    confirm: Confirm,
-    on_step: Callable[[int, Step], None] | None,
-    force: bool,
-) -> CutoverOutcome:
+@dataclass(frozen=True)
+class _Resume:
+    """What a resume works with: the command's own options, not the interrupted one's."""
+
+    inv: LoadedInventory
+    store: EvidenceStore
+    router: Router
+    journal: Journal
+    session: Session
+    confirm: Confirm
+    on_step: Callable[[int, Step], None] | None
+    force: bool
+    rolling: RollingOptions
+
+
+def _resume(ctx: _Resume) -> CutoverOutcome:
+    inv, store, router, journal, session = ctx.inv, ctx.store, ctx.router, ctx.journal, ctx.session
+    confirm, on_step, force = ctx.confirm, ctx.on_step, ctx.force
     with journal.locked():
         # Only the operator's last order is resumed: an older interrupted cutover was replaced
         # by whatever came after it.
@@ -181,7 +195,7 @@ def _resume(
         journal.supersede(f"superseded by cutover {record.id}", keep=record.id)
         plan = _journaled_plan(record, "resumed from the journal")
         if plan.strategy == "rolling":
-            return _resume_rolling(inv, store, router, journal, session, confirm, on_step, force)
+            return _resume_rolling(ctx)
         live = router.read()
         if any(s.kind.startswith("rollback-") for s in record.steps):
             # It was being rolled back when it stopped: resuming finishes the rollback.
@@ -243,19 +257,12 @@ def _resume(
         return runner.run(record.id, plan, skip=record.done_steps)
 
 
-def _resume_rolling(
-    inv: LoadedInventory,
-    store: EvidenceStore,
-    router: Router,
-    journal: Journal,
-    session: Session,
-    confirm: Confirm,
-    on_step: Callable[[int, Step], None] | None,
-    force: bool,
-) -> CutoverOutcome:
+def _resume_rolling(ctx: _Resume) -> CutoverOutcome:
     """A rolling cutover goes on from the box (or wave) it stopped at, from that box's first
     step: each step acts on what it finds (out of the routers, stopped, started), so one
     interrupted halfway is done again, never assumed done."""
+    inv, store, router, journal, session = ctx.inv, ctx.store, ctx.router, ctx.journal, ctx.session
+    confirm, force = ctx.confirm, ctx.force
     record = journal.latest()
     assert record is not None
     plan = _journaled_plan(record, "resumed from the journal")
@@ -300,7 +307,14 @@ def _resume_rolling(
     journal.reopen(record.id)
     journal.step(record.id, RESUMED, "resumed", {}, "done", "kdctl cutover --resume")
     runner = RollingRunner(
-        inv, router, journal, store, session, on_step=on_step, forced=force or bool(blocking)
+        inv,
+        router,
+        journal,
+        store,
+        session,
+        on_step=ctx.on_step,
+        forced=force or bool(blocking),
+        options=ctx.rolling,
     )
     return runner.run(record.id, plan, skip=set(range(start)))
 

@@ -6,6 +6,7 @@ boxes already moved staying moved (or, under --on-fail abort, every box goes bac
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from kdctl.backends.errors import BackendError
+from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.checks.promotion import promotion_result
 from kdctl.cutover.analysis import AnalysisFailed, watch_front
 from kdctl.cutover.plan import (
@@ -26,6 +27,7 @@ from kdctl.cutover.plan import (
     RemoveFromRouters,
     SmokeGate,
     Soak,
+    Start,
     Step,
     step_from,
 )
@@ -47,10 +49,16 @@ from kdctl.traffic.journal import CutoverRecord, Journal
 
 # How often a draining engine's gauges are read.
 _DRAIN_POLL_S = 0.2
+# How long past the progress deadline a start's own wait for readiness is given to end.
+_START_GRACE_S = 15.0
 
 
 class HeadroomRefused(AnalysisFailed):
     """The boxes left could not carry the load measured now: nothing was taken out."""
+
+
+class ProgressDeadline(AnalysisFailed):
+    """A step that did not end within the rollout's progress deadline: the rollout aborts."""
 
 
 class Ordered(KdctlError):
@@ -78,6 +86,20 @@ def orders(journal: Journal, cid: str) -> set[str]:
     resumed = max((r.at for r in record.steps if r.idx == RESUMED), default=None)
     given = {r.idx for r in record.steps if resumed is None or r.at > resumed}
     return {name for name, idx in ORDERS.items() if idx in given}
+
+
+@dataclass(frozen=True)
+class RollingOptions:
+    """How a rolling cutover moves, given on its command line (a resume takes its own)."""
+
+    # Boxes out of the pool at a time: the plan's waves.
+    max_unavailable: int = 1
+    # What a failed box leads to: a pause for a person (Argo's), or every box moved back.
+    on_fail: Literal["pause", "abort"] = "pause"
+    # A step not done this long after it began (a soak: past its own length) is stuck: the
+    # rollout aborts, as Argo's progressDeadlineSeconds with progressDeadlineAbort. Long
+    # enough for an engine of a 1T-parameter model to load on its box.
+    progress_deadline_s: float | None = 1800.0
 
 
 @dataclass(frozen=True)
@@ -188,9 +210,63 @@ class RollingRunner(Runner):
     """The runner with a rolling cutover's steps; a failure rolls back the box at hand (or the
     wave a soak judged) and pauses the rollout."""
 
+    options: RollingOptions = RollingOptions()
+    # The order that stopped it, where one did.
+    stopped_by: str | None = None
+    # Whether a step outlived the progress deadline.
+    stuck: bool = False
+
     def _apply(
         self, plan: Plan, step: Step, on_written: Callable[[], None] | None = None
     ) -> str | None:
+        deadline = self.options.progress_deadline_s
+        if deadline is None:
+            return self._step(plan, step, on_written)
+        # A start waits for readiness itself until the deadline, and says so; the watch over
+        # it gives that wait time to end on its own.
+        grace = _START_GRACE_S if isinstance(step, Start) else 0
+        limit = deadline + grace + (step.seconds if isinstance(step, Soak) else 0)
+        ended: list[str | None] = []
+        raised: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                ended.append(self._step(plan, step, on_written))
+            except BaseException as exc:  # handed to the runner's own thread
+                raised.append(exc)
+
+        # A thread the process does not wait for at exit: a step stuck in a call that never
+        # returns must not hold kdctl after the rollback is done. Its own waits are bounded
+        # (an engine's start waits no longer than the deadline), and whatever it still
+        # finishes is put back by the rollback, which reads each router back.
+        worker = threading.Thread(target=work, name=f"step-{step.kind}", daemon=True)
+        worker.start()
+        worker.join(limit)
+        if worker.is_alive():
+            self.stuck = True
+            on = getattr(step, "backend", None)
+            raise ProgressDeadline(
+                f"{step.describe()}: not done {limit:g}s after it began (progress deadline"
+                f"{f' on {on}' if on else ''}): the rollout aborts"
+            )
+        if raised:
+            raise raised[0]
+        return ended[0]
+
+    def _step(
+        self, plan: Plan, step: Step, on_written: Callable[[], None] | None = None
+    ) -> str | None:
+        deadline = self.options.progress_deadline_s
+        if isinstance(step, Start) and deadline is not None:
+            try:
+                return change_engine(
+                    self.inv, self.session, step.backend, "start", deadline_s=deadline
+                )
+            except BackendTimeout as exc:
+                self.stuck = True
+                raise ProgressDeadline(
+                    f"{step.describe()}: not ready within the progress deadline: {exc}"
+                ) from None
         if isinstance(step, Headroom):
             return headroom(self.inv, self.session, self.router.read().serving, step.out)
         if isinstance(step, RemoveFromRouters):
@@ -213,11 +289,6 @@ class RollingRunner(Runner):
                 raise AnalysisFailed(f"wave {step.wave} soak: " + "; ".join(result.broke))
             return result.said()
         return super()._apply(plan, step, on_written)
-
-    # The order that stopped it, where one did.
-    stopped_by: str | None = None
-    # What a failed box leads to: a pause for a person (Argo's), or every box moved back.
-    on_fail: Literal["pause", "abort"] = "pause"
 
     def before(self, cid: str, plan: Plan, idx: int) -> None:
         """At a box's (or a wave's) first step: a person's pause or abort is heeded here,
@@ -246,7 +317,11 @@ class RollingRunner(Runner):
         rollout paused with the reason, the boxes moved before staying moved; aborted (by a
         person, or by --on-fail abort), every box goes back, the last moved first. Where
         putting a box back fails too, the outcome says so and what to run."""
-        abort = self.stopped_by == "abort" or (self.stopped_by is None and self.on_fail == "abort")
+        abort = (
+            self.stopped_by == "abort"
+            or self.stuck
+            or (self.stopped_by is None and self.options.on_fail == "abort")
+        )
         at = self.failed_at if self.stopped_by is None else None
         unsettled = _unsettled(plan, at) if at is not None else []
         box: Box | None = None

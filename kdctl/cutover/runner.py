@@ -274,7 +274,14 @@ def record_promotion(
 EngineChange = Literal["stop", "start"]
 
 
-def change_engine(inv: LoadedInventory, session: Session, name: str, verb: EngineChange) -> str:
+def change_engine(
+    inv: LoadedInventory,
+    session: Session,
+    name: str,
+    verb: EngineChange,
+    *,
+    deadline_s: float = 600.0,
+) -> str:
     """Stop an engine, or start it (unless it runs) and wait until it answers ready."""
     spec = inv.backends[name]
     # Who the engine is changes with it: the next question about it is asked anew.
@@ -286,7 +293,7 @@ def change_engine(inv: LoadedInventory, session: Session, name: str, verb: Engin
             return f"{name} stopped"
         if control.state().state != "running":
             control.start()
-        health = control.wait_ready(deadline_s=600)
+        health = control.wait_ready(deadline_s=deadline_s)
         return f"{name} ready ({health.state})"
 
 

@@ -6,6 +6,7 @@ boxes already moved staying moved (or, under --on-fail abort, every box goes bac
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -220,38 +221,31 @@ class RollingRunner(Runner):
         self, plan: Plan, step: Step, on_written: Callable[[], None] | None = None
     ) -> str | None:
         deadline = self.options.progress_deadline_s
-        if deadline is None:
+        # The clock is an interval timer's signal, which only the main thread receives: it
+        # cuts a step off wherever it waits (an HTTP read, a sleep, a lock), as Ctrl-C does,
+        # and the rollback that follows acts on what it finds. Run off the main thread (as
+        # a library may), a start still waits no longer than the deadline.
+        if deadline is None or threading.current_thread() is not threading.main_thread():
             return self._step(plan, step, on_written)
-        # A start waits for readiness itself until the deadline, and says so; the watch over
+        # A start waits for readiness itself until the deadline, and says so; the clock over
         # it gives that wait time to end on its own.
         grace = _START_GRACE_S if isinstance(step, Start) else 0
         limit = deadline + grace + (step.seconds if isinstance(step, Soak) else 0)
-        ended: list[str | None] = []
-        raised: list[BaseException] = []
 
-        def work() -> None:
-            try:
-                ended.append(self._step(plan, step, on_written))
-            except BaseException as exc:  # handed to the runner's own thread
-                raised.append(exc)
-
-        # A thread the process does not wait for at exit: a step stuck in a call that never
-        # returns must not hold kdctl after the rollback is done. Its own waits are bounded
-        # (an engine's start waits no longer than the deadline), and whatever it still
-        # finishes is put back by the rollback, which reads each router back.
-        worker = threading.Thread(target=work, name=f"step-{step.kind}", daemon=True)
-        worker.start()
-        worker.join(limit)
-        if worker.is_alive():
+        def expired(_signum: int, _frame: object) -> None:
             self.stuck = True
-            on = getattr(step, "backend", None)
             raise ProgressDeadline(
-                f"{step.describe()}: not done {limit:g}s after it began (progress deadline"
-                f"{f' on {on}' if on else ''}): the rollout aborts"
+                f"{step.describe()}: not done {limit:g}s after it began (the progress "
+                "deadline): the rollout aborts"
             )
-        if raised:
-            raise raised[0]
-        return ended[0]
+
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            return self._step(plan, step, on_written)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
     def _step(
         self, plan: Plan, step: Step, on_written: Callable[[], None] | None = None

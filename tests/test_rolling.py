@@ -99,6 +99,51 @@ def test_a_fleet_rolls_box_by_box_under_load_and_back(fleet: Fleet, report: Any)
     )
 
 
+def _tight(fleet: Fleet, tmp_path: Path) -> str:
+    """The fleet's inventory with one request per replica as each pool's capacity."""
+    import yaml
+
+    data = yaml.safe_load(fleet.inventory.read_text())
+    for spec in data["backends"].values():
+        spec["capacity_per_replica"] = 1
+    return str(write_inventory(tmp_path / "tight.yaml", data))
+
+
+@contextlib.contextmanager
+def _one_long_request_each(inv: str, engines: list[str]) -> Iterator[None]:
+    """A long generation running on each engine (its first token seen) while the body runs."""
+    import threading
+
+    import httpx
+
+    loaded = load_inventory(Path(inv))
+    urls = [loaded.backends[n].url for n in engines]
+    body = {
+        "input_ids": [11, 12, 13],
+        "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    started = threading.Barrier(len(urls) + 1, timeout=60)
+
+    def generate(url: str | None) -> None:
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(lines)  # the first token: running now
+            started.wait()
+            for _ in lines:
+                pass
+
+    threads = [threading.Thread(target=generate, args=(u,), daemon=True) for u in urls]
+    for t in threads:
+        t.start()
+    started.wait()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join(120)
+
+
 def _rows(db: Path) -> int:
     import sqlite3
 
@@ -249,7 +294,7 @@ def test_a_step_stuck_past_the_progress_deadline_aborts_the_rollout(
     assert run.code == 1, run.out + run.err
     said = " ".join(run.out.split())
     assert "rolled_back" in said and f"drain {serving[0]}" in said, said
-    assert "not done 5s after it began (progress deadline" in said, said
+    assert "not done 5s after it began (the progress deadline)" in said, said
     assert load.failures == [], load.failures[:5]
     assert _router_serves(fleet) == serving
     report(f"progress deadline 5 s: {serving[0]}'s drain stuck, the rollout aborted, box 1 back")
@@ -261,41 +306,12 @@ def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
     """Each of the four engines serving has a long generation running (by its own gauge);
     with one request per replica as the pool's capacity, the three boxes left could not carry
     the four: the first wave is refused with those figures and nothing moves."""
-    import threading
-
-    import httpx
-    import yaml
-
-    data = yaml.safe_load(fleet.inventory.read_text())
     serving = _router_serves(fleet)
     pool = serving[0].partition("@")[0]
     other = "sglang" if pool == "native" else "native"
-    data["backends"][pool]["capacity_per_replica"] = 1
-    inv = str(write_inventory(tmp_path / "tight.yaml", data))
-    loaded = load_inventory(Path(inv))
-    urls = [loaded.backends[n].url for n in serving]
-    body = {
-        "input_ids": [11, 12, 13],
-        "sampling_params": {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    started = threading.Barrier(len(urls) + 1, timeout=60)
-
-    def generate(url: str | None) -> None:
-        with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            next(lines)  # the first token: running now
-            started.wait()
-            for _ in lines:
-                pass
-
-    threads = [threading.Thread(target=generate, args=(u,), daemon=True) for u in urls]
-    for t in threads:
-        t.start()
-    started.wait()
-    run = kdctl("cutover", "--to", other, "--watch", "1", "--force", "--yes", "-i", inv)
-    for t in threads:
-        t.join(120)
+    inv = _tight(fleet, tmp_path)
+    with _one_long_request_each(inv, serving):
+        run = kdctl("cutover", "--to", other, "--watch", "1", "--force", "--yes", "-i", inv)
     assert run.code == 1, run.out + run.err
     said = " ".join(run.out.split())
     assert "headroom: load 4 requests (running and queued) on 4 engines; the 3 left carry 3" in said
@@ -303,9 +319,10 @@ def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
     assert _router_serves(fleet) == serving
 
 
-def test_a_person_pauses_a_running_rollout_then_aborts_it(fleet: Fleet) -> None:
+def test_a_person_pauses_a_running_rollout_then_aborts_it(fleet: Fleet, tmp_path: Path) -> None:
     """`kdctl cutover pause` while another process rolls: heeded at its next box, the boxes
-    moved stay moved; `kdctl cutover abort` then moves every box back."""
+    moved stay moved; `kdctl cutover abort` then moves every box back, once the boxes left
+    while each goes back can carry the load."""
     import time
 
     from kdctl.traffic import SqliteJournal
@@ -334,6 +351,21 @@ def test_a_person_pauses_a_running_rollout_then_aborts_it(fleet: Fleet) -> None:
     assert record is not None and record.state == "paused", record
     assert record.reason is not None and "pause ordered by a person" in record.reason
     assert _router_serves(fleet) == sorted([f"{new}@box1", *serving[1:]])
+
+    # With a long request on each engine and one request per replica as the capacity, the
+    # three boxes left while one goes back could not carry the four: the abort is held, as
+    # the wave was, with the figures, and nothing moves.
+    tight = _tight(fleet, tmp_path)
+    now = _router_serves(fleet)
+    with _one_long_request_each(tight, now):
+        held = kdctl("cutover", "abort", "--yes", "-i", tight, timeout=300)
+    assert held.code == 1, held.out + held.err
+    said = " ".join(held.err.split())
+    assert "moving the boxes back held, headroom: load 4 requests" in said, said
+    assert f"the 3 left carry 3: taking out {new}@box1 refused" in said, said
+    assert _router_serves(fleet) == now
+    with SqliteJournal(state) as journal:
+        assert journal.get(record.id).state == "paused"  # type: ignore[union-attr]
 
     aborted = kdctl("cutover", "abort", "--yes", "-i", inv, timeout=300)
     assert aborted.code == 0, aborted.out + aborted.err

@@ -23,11 +23,13 @@ from kdctl.cutover.rolling import (
     ORDERS,
     RESUMED,
     ROLLBACK_ORDERED,
+    HeadroomRefused,
     RollingOptions,
     RollingRunner,
     back_all,
     boxes_of,
     first_of_box,
+    held,
     moved,
     rollout,
 )
@@ -270,7 +272,11 @@ def _resume_rolling(ctx: _Resume) -> CutoverOutcome:
         # It was being rolled back when it stopped: resuming finishes the rollback.
         if not confirm(f"Finish rolling back cutover {record.id} to {plan.from_backend}?"):
             raise Refused("resume not confirmed; nothing changed")
-        back_all(inv, router, session, plan, journal, record.id)
+        try:
+            back_all(inv, router, session, plan, journal, record.id)
+        except HeadroomRefused as exc:
+            journal.finish(record.id, "paused", held(exc))
+            raise Refused(f"resuming the rollback of {record.id}: {held(exc)}") from None
         journal.finish(record.id, "rolled_back", "kdctl cutover --resume: rollback finished")
         return CutoverOutcome(
             id=record.id,
@@ -421,7 +427,11 @@ def _rollback_rolling(
     # In progress again until every box is back: status shows it, and a rollback cut off
     # halfway is finished by --resume (or by this command again).
     journal.reopen(record.id)
-    back_all(inv, router, session, plan, journal, record.id)
+    try:
+        back_all(inv, router, session, plan, journal, record.id)
+    except HeadroomRefused as exc:
+        journal.finish(record.id, "paused", held(exc))
+        raise Refused(f"rollback of {record.id}: {held(exc)}") from None
     state = router.confirm(router.read().weights)
     journal.finish(record.id, "rolled_back", "kdctl rollback")
     journal.supersede(f"superseded by the rollback of {record.id}")

@@ -325,6 +325,10 @@ class RollingRunner(Runner):
             if abort:
                 box = None
                 back_all(self.inv, self.router, self.session, plan, self.journal, cid)
+        except HeadroomRefused as exc:
+            said = f"{reason}; {held(exc)}"
+            best_effort(self.journal.finish, cid, "paused", said)
+            return "paused"
         except (Exception, KeyboardInterrupt) as exc:
             which = f"putting {box.old} back" if box else "moving the boxes back"
             said = f"{reason}; {which} failed too: {why(exc)}; to restore it run: kdctl rollback"
@@ -362,6 +366,14 @@ class RollingRunner(Runner):
             )
             for box in moved
         ]
+
+
+def held(exc: HeadroomRefused) -> str:
+    """Why moving the boxes back stopped, and what a person does next."""
+    return (
+        f"moving the boxes back held, {exc}; the boxes not yet back stay where they are: "
+        "kdctl rollback (or kdctl cutover abort) once the load allows"
+    )
 
 
 def first_of_box(plan: Plan, at: int) -> int:
@@ -420,10 +432,20 @@ def back_on_old(
     def step(kind: str, backend: str, run: Callable[[], object]) -> None:
         nonlocal idx
         journal.step(cid, idx, kind, {"backend": backend}, "started")
-        journal.step(cid, idx, kind, {"backend": backend}, "done", str(run()))
+        try:
+            said = run()
+        except Exception as exc:
+            best_effort(journal.step, cid, idx, kind, {"backend": backend}, "failed", why(exc))
+            raise
+        journal.step(cid, idx, kind, {"backend": backend}, "done", str(said))
         idx += 1
 
-    if box.new in router.read().serving:
+    serving = router.read().serving
+    if box.new in serving:
+        # Going back takes the box out as going forward did: the boxes left must carry the
+        # load meanwhile, or the rollback waits for a person (a rollback that drops to an
+        # undersized set is an outage of its own).
+        step("box-rollback-headroom", box.new, lambda: headroom(inv, session, serving, [box.new]))
         step(
             "box-rollback-remove",
             box.new,

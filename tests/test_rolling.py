@@ -372,3 +372,52 @@ def test_a_person_pauses_a_running_rollout_then_aborts_it(fleet: Fleet, tmp_path
     assert _router_serves(fleet) == serving
     with SqliteJournal(state) as journal:
         assert journal.get(record.id).state == "rolled_back"  # type: ignore[union-attr]
+
+
+def test_a_fleet_rolls_behind_nginx_one_server_per_replica(
+    fleet: Fleet, tmp_path: Path, report: Any
+) -> None:
+    """The same boxes behind a real nginx instead (kdctl's own upstream, one server per
+    replica): rolled forward under a load that counts who answered, by the header nginx adds
+    to each answer, every replica of both pools among them; then rolled back. Last in the
+    file: it moves the boxes behind SGLang's router's back, and puts them back."""
+    import yaml
+
+    from kdctl.traffic import equal_shares
+    from tests.support.nginx import NGINX, kdctl_front, router_entry
+    from tests.support.sshd import free_port
+    from tests.support.traffic import weights
+
+    serving = _router_serves(fleet)
+    old = serving[0].partition("@")[0]
+    new = "sglang" if old == "native" else "native"
+    data = yaml.safe_load(fleet.inventory.read_text())
+    root = tmp_path / "nginx"
+    root.mkdir()
+    data["router"] = router_entry(NGINX, root, free_port(), serving=old)
+    data["hosts"]["local"] = {"transport": "local"}
+    inv = str(write_inventory(tmp_path / "nginx.yaml", data))
+    include = root / "kdctl.conf"
+    with kdctl_front(Path(inv), equal_shares(serving)) as front:
+        with Load(front) as load:
+            run = kdctl("cutover", "--to", new, "--watch", "1", "--force", "--yes", "-i", inv)
+        assert run.code == 0, run.out + run.err
+        assert load.sent > 0 and load.failures == [], load.failures[:5]
+        moved = [f"{new}@box{i}" for i in range(1, 5)]
+        assert weights(include) == equal_shares(moved)
+        answered = {n: c for n, c in load.served_by.items() if c}
+        assert set(answered) == {*serving, *moved}, answered
+        # Box by box: the first box moved answered longest on its new engine, the last on
+        # its old one.
+        assert answered[moved[0]] > answered[moved[-1]], answered
+        assert answered[serving[-1]] > answered[serving[0]], answered
+        with Load(front) as back_load:
+            back = kdctl("rollback", "--yes", "-i", inv, timeout=600)
+        assert back.code == 0, back.out + back.err
+        assert back_load.failures == [], back_load.failures[:5]
+        assert weights(include) == equal_shares(serving)
+    assert _router_serves(fleet) == serving
+    report(
+        f"rolling cutover of 4 boxes behind nginx: {load.sent} requests, 0 failed, answered "
+        f"by {dict(sorted(answered.items()))}; rolled back under load, 0 failed"
+    )

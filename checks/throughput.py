@@ -463,8 +463,19 @@ class ThroughputGate(Gate):
         base_runs: list[Runs] = []
         try:
             recorded = None
-            if baseline is not None and settings.baseline_run == "recorded":
+            if baseline is not None and (settings.baseline_run == "recorded" or ctx.recorded_only):
                 recorded = ctx.baseline_lookup(baseline, "throughput", workload)
+            if baseline is not None and recorded is None and ctx.recorded_only:
+                why = ctx.passed_over.get(baseline) or f"{baseline} has none recorded"
+                return self.result(
+                    ctx,
+                    backend,
+                    started=started,
+                    baseline=baseline,
+                    verdict="skipped",
+                    reasons=[f"throughput not compared: no usable recorded run ({why})"],
+                    workload=workload,
+                )
             if baseline is not None and recorded is not None:
                 base_points = [BenchMetrics.model_validate(p) for p in recorded.payload["points"]]
                 source = f"{baseline}'s run recorded {recorded.created_at:%Y-%m-%d %H:%M}Z"

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel
 
@@ -299,8 +299,12 @@ class RollingRunner(Runner):
                 f"{self.stopped_by} ordered by a person (kdctl cutover {self.stopped_by})"
             )
 
+    # A short throughput run beside exactness: the inventory's throughput workload, against
+    # the run the replaced replica recorded on the same box.
+    smoke_gates: ClassVar[tuple[str, ...]] = ("exactness", "throughput")
+
     def _smoke(self, plan: Plan, name: str) -> str:
-        # Held to the golden outputs of the replica it takes over from, on the same box.
+        # Held to what the replica it takes over from recorded, on the same box.
         box = next(b for b in boxes_of(plan) if b.new == name)
         return super()._smoke(plan.model_copy(update={"from_backend": box.old}), name)
 

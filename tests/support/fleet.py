@@ -101,7 +101,18 @@ def rolling_fleet(
                 "listen": f"127.0.0.1:{port}",
                 "serving": "sglang",
             },
-            "gates": {"exactness": {"max_new_tokens": 4, "top_k": 3}},
+            "gates": {
+                "exactness": {"max_new_tokens": 4, "top_k": 3},
+                # Short, so a rolling cutover's smoke run of it is.
+                "throughput": {
+                    "workload": {
+                        "input_len": 16,
+                        "output_len": 8,
+                        "concurrency": [2],
+                        "num_prompts": 6,
+                    }
+                },
+            },
             "state_dir": str(root / "state"),
         }
         data["hosts"]["local-router"] = {"transport": "local"}

@@ -112,7 +112,7 @@ def make_box(root: Path, name: str, *, mounts: Mapping[str, Path] | None = None)
     """A namespace `kdctl-<name>` at 10.77.N.2/30 (this machine at .1), its loopback up, and
     sshd on port 22 of its address with its own host key and a user key that logs in as the
     probe user. Leftovers of a box of the same name are removed first. `mounts` (a path on
-    the box: a folder here) are what the box's logins see at those paths, in a mount
+    the box: a folder or file here) are what the box's logins see at those paths, in a mount
     namespace of sshd's own: /etc/systemd/system with the box's units, say."""
     netns = f"kdctl-{name}"[:15]
     host_if, box_if = f"{netns[:12]}-h", f"{netns[:12]}-b"

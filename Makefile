@@ -29,3 +29,4 @@ bench: bootstrap
 	$(VENV)/bin/python benchmarks/bench_vs_vllm.py
 	$(VENV)/bin/python benchmarks/cutover_under_load.py
 	$(VENV)/bin/python benchmarks/rolling_capacity.py
+	$(VENV)/bin/python benchmarks/status_fleet.py

@@ -806,6 +806,27 @@ def judge(
     return metrics, findings + unjudged + reasons, verdict
 
 
+def carried(settings: ThroughputSettings, points: list[BenchMetrics]) -> tuple[int, str] | None:
+    """The most concurrent requests a run carried, and how it is known: the highest
+    concurrency at which no more requests failed than allowed and every SLO set held at its
+    percentile (a latency not measured holds none). None where no concurrency did."""
+    pct = settings.slo_percentile
+    limits = [(stat, getattr(settings, field)) for stat, field in _SLOS]
+    limits = [(stat, limit) for stat, limit in limits if limit is not None]
+    held = []
+    for p in points:
+        if p.completed == 0 or p.failed > settings.max_failed_requests:
+            continue
+        values = [getattr(getattr(p, f"{stat}_ms"), pct) for stat, _ in limits]
+        if all(v is not None and v <= limit for v, (_, limit) in zip(values, limits, strict=True)):
+            held.append(p.max_concurrency)
+    if not held:
+        return None
+    slos = ", ".join(f"{pct} {stat.upper()} <= {limit:g} ms" for stat, limit in limits)
+    how = f"every SLO held ({slos})" if limits else "no SLO set: every request served"
+    return max(held), how
+
+
 def _scaling(points: list[BenchMetrics], prefix: str, word: str) -> tuple[Metric, str] | None:
     """The output tokens a second at the workload's highest concurrency over those at its
     lowest (`scaling`): how much serving requests together pays. A server that takes one

@@ -305,7 +305,11 @@ def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
 ) -> None:
     """Each of the four engines serving has a long generation running (by its own gauge);
     with one request per replica as the pool's capacity, the three boxes left could not carry
-    the four: the first wave is refused with those figures and nothing moves."""
+    the four: the first wave is refused with those figures and nothing moves. The same with
+    no capacity set, where each replica's recorded throughput run at concurrency 1 is what it
+    was measured carrying."""
+    import yaml
+
     serving = _router_serves(fleet)
     pool = serving[0].partition("@")[0]
     other = "sglang" if pool == "native" else "native"
@@ -315,8 +319,49 @@ def test_a_wave_the_boxes_left_could_not_carry_is_refused_with_the_figures(
     assert run.code == 1, run.out + run.err
     said = " ".join(run.out.split())
     assert "headroom: load 4 requests (running and queued) on 4 engines; the 3 left carry 3" in said
+    assert f"({pool}: 1 a replica by its capacity_per_replica)" in said, said
     assert f"taking out {serving[0]} refused" in said, said
     assert _router_serves(fleet) == serving
+
+    data = yaml.safe_load(fleet.inventory.read_text())
+    data["gates"]["throughput"]["workload"]["concurrency"] = [1]
+    measured = str(write_inventory(tmp_path / "measured.yaml", data))
+    for name in serving:
+        recorded = kdctl("baseline", "record", "-b", name, "--only", "throughput", "-i", measured)
+        assert recorded.code == 0, recorded.out + recorded.err
+    with _one_long_request_each(measured, serving):
+        run = kdctl("cutover", "--to", other, "--watch", "1", "--force", "--yes", "-i", measured)
+    assert run.code == 1, run.out + run.err
+    said = " ".join(run.out.split())
+    assert "on 4 engines; the 3 left carry 3 (" in said, said
+    assert f"{pool}: 1 a replica, measured ({pool}@box" in said, said
+    assert "no SLO set: every request served" in said, said
+    assert _router_serves(fleet) == serving
+
+
+def test_a_replica_carries_the_highest_concurrency_that_held_every_slo() -> None:
+    """The measured peak headroom counts by: at concurrency 8 the TTFT SLO broke, at 4 one
+    request failed where none may: 2 is what was carried. With no SLO set, any concurrency
+    served without a failure counts (4 failed one), so 8."""
+    from kdctl.checks.throughput import carried
+    from kdctl.inventory.models import ThroughputSettings
+    from kdctl.loadgen import BenchMetrics, RequestRecord
+
+    def point(size: int, ttft_s: float, failed: int = 0) -> BenchMetrics:
+        records = [
+            RequestRecord(started_at=0.0, ok=i >= failed, output_tokens=8, ttft_s=ttft_s, e2el_s=1)
+            for i in range(4)
+        ]
+        return BenchMetrics.of(
+            records, 1.0, max_concurrency=size, request_rate=None, burstiness=1.0,
+            client="httpx", output_len=8, slo=None,
+        )  # fmt: skip
+
+    points = [point(1, 0.1), point(2, 0.2), point(4, 0.3, failed=1), point(8, 0.9)]
+    peak = carried(ThroughputSettings(slo_ttft_ms=500), points)
+    assert peak == (2, "every SLO held (p99 TTFT <= 500 ms)"), peak
+    assert carried(ThroughputSettings(), points) == (8, "no SLO set: every request served")
+    assert carried(ThroughputSettings(slo_ttft_ms=50), points) is None
 
 
 def test_a_person_pauses_a_running_rollout_then_aborts_it(fleet: Fleet, tmp_path: Path) -> None:
@@ -362,7 +407,7 @@ def test_a_person_pauses_a_running_rollout_then_aborts_it(fleet: Fleet, tmp_path
     assert held.code == 1, held.out + held.err
     said = " ".join(held.err.split())
     assert "moving the boxes back held, headroom: load 4 requests" in said, said
-    assert f"the 3 left carry 3: taking out {new}@box1 refused" in said, said
+    assert "the 3 left carry 3 (" in said and f"taking out {new}@box1 refused" in said, said
     assert _router_serves(fleet) == now
     with SqliteJournal(state) as journal:
         assert journal.get(record.id).state == "paused"  # type: ignore[union-attr]

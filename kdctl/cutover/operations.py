@@ -273,7 +273,7 @@ def _resume_rolling(ctx: _Resume) -> CutoverOutcome:
         if not confirm(f"Finish rolling back cutover {record.id} to {plan.from_backend}?"):
             raise Refused("resume not confirmed; nothing changed")
         try:
-            back_all(inv, router, session, plan, journal, record.id)
+            back_all(inv, router, session, plan, journal, record.id, store)
         except HeadroomRefused as exc:
             journal.finish(record.id, "paused", held(exc))
             raise Refused(f"resuming the rollback of {record.id}: {held(exc)}") from None
@@ -428,7 +428,7 @@ def _rollback_rolling(
     # halfway is finished by --resume (or by this command again).
     journal.reopen(record.id)
     try:
-        back_all(inv, router, session, plan, journal, record.id)
+        back_all(inv, router, session, plan, journal, record.id, store)
     except HeadroomRefused as exc:
         journal.finish(record.id, "paused", held(exc))
         raise Refused(f"rollback of {record.id}: {held(exc)}") from None

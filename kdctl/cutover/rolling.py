@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from kdctl.backends.errors import BackendError, BackendTimeout
 from kdctl.checks.promotion import promotion_result
+from kdctl.checks.throughput import ThroughputGate, carried
 from kdctl.cutover.analysis import AnalysisFailed, watch_front
 from kdctl.cutover.plan import (
     AddToRouters,
@@ -41,7 +42,9 @@ from kdctl.cutover.runner import (
     why,
 )
 from kdctl.errors import KdctlError
+from kdctl.evidence import EvidenceStore, baseline_gaps
 from kdctl.inventory import LoadedInventory, PoolSpec
+from kdctl.loadgen import BenchMetrics
 from kdctl.probes import probe_gpus
 from kdctl.records import GateResult, Verdict
 from kdctl.session import Session
@@ -121,10 +124,56 @@ def boxes_of(plan: Plan | Sequence[Step]) -> list[Box]:
     ]
 
 
-def headroom(inv: LoadedInventory, session: Session, members: list[str], out: list[str]) -> str:
+def measured_peak(
+    inv: LoadedInventory, store: EvidenceStore, session: Session, pool: str
+) -> tuple[int, str] | None:
+    """What one replica of `pool` was measured carrying: the lowest, over its replicas, of the
+    highest concurrency each one's recorded throughput run of the inventory's workload served
+    within the SLOs (`kdctl baseline record --only throughput`), counting only records taken on
+    what the replica is now; with the replica and the record it comes from. None where no
+    replica has one."""
+    settings = inv.spec.gates.throughput
+    workloads = ThroughputGate().workloads(inv) or frozenset()
+    found: list[tuple[int, str]] = []
+    for name in inv.pools.get(pool, []):
+        records = [
+            b
+            for b in store.baselines(backend=name, kind="throughput")
+            if b.workload_hash in workloads
+        ]
+        if not records:
+            continue
+        (now,) = session.identify([name]).values()
+        usable = next(
+            (b for b in records if not baseline_gaps(inv, b, now.provenance, live=now.live)),
+            None,
+        )
+        if usable is None:
+            continue
+        points = [BenchMetrics.model_validate(p) for p in usable.payload["points"]]
+        peak = carried(settings, points)
+        if peak is not None:
+            found.append(
+                (
+                    peak[0],
+                    f"{name}'s throughput run recorded {usable.created_at:%Y-%m-%d %H:%M}Z, "
+                    f"{peak[1]}",
+                )
+            )
+    return min(found) if found else None
+
+
+def headroom(
+    inv: LoadedInventory,
+    session: Session,
+    members: list[str],
+    out: list[str],
+    store: EvidenceStore | None = None,
+) -> str:
     """The load the router's engines hold now (running and queued requests, from their own
-    gauges) against what the engines left once `out` leaves carry, by the pool's
-    `capacity_per_replica`; HeadroomRefused, with the figures, where they could not."""
+    gauges) against what the engines left once `out` leaves carry: per replica, its pool's
+    `capacity_per_replica`, else the pool's measured peak (`measured_peak`, from `store`);
+    HeadroomRefused, with the figures, where they could not."""
     loads: dict[str, float] = {}
     unread: list[str] = []
     for name in members:
@@ -139,14 +188,21 @@ def headroom(inv: LoadedInventory, session: Session, members: list[str], out: li
             loads[name] = load.total
     left = [m for m in members if m not in out]
     capacity = 0
+    by: dict[str, str] = {}
     for name in left:
-        pool = inv.pool_of(name)
-        spec = inv.spec.backends.get(pool) if pool else None
+        pool = inv.pool_of(name) or name
+        spec = inv.spec.backends.get(pool)
         per = spec.capacity_per_replica if isinstance(spec, PoolSpec) else None
-        if per is None:
+        if per is not None:
+            by.setdefault(pool, f"{pool}: {per} a replica by its capacity_per_replica")
+        elif store is not None and (peak := measured_peak(inv, store, session, pool)):
+            per = peak[0]
+            by.setdefault(pool, f"{pool}: {per} a replica, measured ({peak[1]})")
+        else:
             return (
                 f"load {sum(loads.values()):g} requests on {len(loads)} engines; headroom not "
-                f"judged: {name}'s pool sets no capacity_per_replica"
+                f"judged: {name}'s pool sets no capacity_per_replica and has no recorded "
+                "throughput run to measure it by"
             )
         capacity += per
     if unread:
@@ -157,7 +213,7 @@ def headroom(inv: LoadedInventory, session: Session, members: list[str], out: li
     total = sum(loads.values())
     said = (
         f"load {total:g} requests (running and queued) on {len(members)} engines; the "
-        f"{len(left)} left carry {capacity}"
+        f"{len(left)} left carry {capacity} ({'; '.join(by.values())})"
     )
     if total > capacity:
         raise HeadroomRefused(f"headroom: {said}: taking out {', '.join(out)} refused")
@@ -262,7 +318,8 @@ class RollingRunner(Runner):
                     f"{step.describe()}: not ready within the progress deadline: {exc}"
                 ) from None
         if isinstance(step, Headroom):
-            return headroom(self.inv, self.session, self.router.read().serving, step.out)
+            serving = self.router.read().serving
+            return headroom(self.inv, self.session, serving, step.out, self.store)
         if isinstance(step, RemoveFromRouters):
             state = self.router.set_members(members_without(self.router, step.backend))
             return f"the router sends to {', '.join(state.serving)}"
@@ -325,10 +382,10 @@ class RollingRunner(Runner):
         box: Box | None = None
         try:
             for box in unsettled:
-                back_on_old(self.inv, self.router, self.session, box, self.journal, cid)
+                back_on_old(self.inv, self.router, self.session, box, self.journal, cid, self.store)
             if abort:
                 box = None
-                back_all(self.inv, self.router, self.session, plan, self.journal, cid)
+                back_all(self.inv, self.router, self.session, plan, self.journal, cid, self.store)
         except HeadroomRefused as exc:
             said = f"{reason}; {held(exc)}"
             best_effort(self.journal.finish, cid, "paused", said)
@@ -410,12 +467,18 @@ def moved(plan: Plan, serving: Sequence[str]) -> list[Box]:
 
 
 def back_all(
-    inv: LoadedInventory, router: Router, session: Session, plan: Plan, journal: Journal, cid: str
+    inv: LoadedInventory,
+    router: Router,
+    session: Session,
+    plan: Plan,
+    journal: Journal,
+    cid: str,
+    store: EvidenceStore | None = None,
 ) -> list[Box]:
     """Every box moved back on its old engine, one at a time, each confirmed."""
     boxes = moved(plan, router.read().serving)
     for box in boxes:
-        back_on_old(inv, router, session, box, journal, cid)
+        back_on_old(inv, router, session, box, journal, cid, store)
     return boxes
 
 
@@ -426,6 +489,7 @@ def back_on_old(
     box: Box,
     journal: Journal,
     cid: str,
+    store: EvidenceStore | None = None,
 ) -> None:
     """One box back on its old engine: the new one out of the routers and stopped, the old one
     started and put back, each journaled (numbered past the plan's steps, so a resume never
@@ -449,7 +513,11 @@ def back_on_old(
         # Going back takes the box out as going forward did: the boxes left must carry the
         # load meanwhile, or the rollback waits for a person (a rollback that drops to an
         # undersized set is an outage of its own).
-        step("box-rollback-headroom", box.new, lambda: headroom(inv, session, serving, [box.new]))
+        step(
+            "box-rollback-headroom",
+            box.new,
+            lambda: headroom(inv, session, serving, [box.new], store),
+        )
         step(
             "box-rollback-remove",
             box.new,

@@ -116,7 +116,7 @@ def rolling_fleet(
                         "output_len": 8,
                         "concurrency": [2],
                         "num_prompts": 6,
-                    }
+                    },
                 },
             },
             "state_dir": str(root / "state"),

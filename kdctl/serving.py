@@ -26,13 +26,13 @@ from kdctl.backends.errors import (
     BackendUnavailable,
 )
 from kdctl.backends.health import BackendState, Failure
-from kdctl.errors import KdctlError
+from kdctl.errors import InputError, KdctlError
 from kdctl.evidence import shared_url
 from kdctl.inventory import LoadedInventory
 from kdctl.probes import ServiceState
 from kdctl.probes.listening import probe_listening
 from kdctl.session import Session, using
-from kdctl.traffic import Router, make_router, open_journal
+from kdctl.traffic import Router, make_router, open_journal, router_class
 
 ServingState = Literal["serving", "degraded", "nothing", "unknown"]
 
@@ -493,6 +493,33 @@ def _engine_words(e: EngineAnswer) -> str:
     return f"{text} ({'; '.join(why)})" if why else text
 
 
+def _split(inv: LoadedInventory, kind: str, weighted: list[EngineAnswer]) -> str:
+    """How the router divides traffic among the backends it sends to, a pool's replicas
+    summed beside each one's share; a router without weights (SGLang's gateway) gives each
+    worker it holds healthy an equal share, so that is what a pool gets, and it is said."""
+    each = ", ".join(f"{e.name} {e.weight}%" for e in sorted(weighted, key=lambda e: -e.weight))
+    by_pool: dict[str, list[EngineAnswer]] = {}
+    for e in weighted:
+        pool = inv.pool_of(e.name)
+        if pool is not None:
+            by_pool.setdefault(pool, []).append(e)
+    pools = "; ".join(
+        f"{p} {sum(e.weight for e in es)}% on {len(es)} replica{'s' if len(es) > 1 else ''}"
+        for p, es in sorted(by_pool.items())
+    )
+    try:
+        by_weight = router_class(kind).capabilities.weights
+    except InputError:
+        by_weight = True
+    how = (
+        ""
+        if by_weight
+        else f": {kind} has no weights, each worker it holds healthy takes an equal share, so a "
+        "pool's share is its share of the healthy workers"
+    )
+    return f"the router splits traffic ({f'{pools}: ' if pools else ''}{each}){how}"
+
+
 def _judge(
     inv: LoadedInventory,
     kind: str,
@@ -535,10 +562,7 @@ def _judge(
         )
     if len(weighted) > 1 and routed.applied is not False:
         # One request lands on one of them: which one answered says nothing of the rest.
-        split = ", ".join(
-            f"{e.name} {e.weight}%" for e in sorted(weighted, key=lambda e: -e.weight)
-        )
-        notes.insert(0, f"the router splits traffic ({split})")
+        notes.insert(0, _split(inv, kind, weighted))
     base = {
         "router": kind,
         "listen": listen,

@@ -199,6 +199,9 @@ def test_a_box_that_fails_its_smoke_gate_goes_back_and_the_rollout_pauses(
     text = " ".join(kdctl("status", "-i", inv).out.split())
     assert "Serving now: native on 2/4 boxes, sglang on 2/4 through sglang-router" in text, text
     assert "Cutover paused" in text and "Wave 3 of 4" in text and "box3: sglang" in text, text
+    # Behind SGLang's gateway, a pool's share is its share of the healthy workers, said so.
+    assert "(native 50% on 2 replicas; sglang 50% on 2 replicas: " in text, text
+    assert "a pool's share is its share of the healthy workers" in text, text
     # The report carries the same table.
     out = fleet.dirs[0].parent / "report"
     made = kdctl("report", "-f", "markdown,json", "-o", str(out), "-i", inv)

@@ -83,7 +83,8 @@ def promotion_result(
     return GateResult(
         gate=PromotionGate.name,
         backend=backend,
-        baseline=from_backend,
+        # A pool moved from is no one engine to bind the result to: its name is in details.
+        baseline=from_backend if from_backend in inv.backends else None,
         verdict=verdict,
         metrics=metrics,
         reasons=[reason, *dict.fromkeys(notes)],

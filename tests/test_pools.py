@@ -261,3 +261,94 @@ def test_status_and_gates_work_per_replica_and_roll_up_per_pool(fleet3: Fleet) -
     hosts = {b: (r["provenance"]["host"], r["provenance"]["host_id"]) for b, r in results.items()}
     assert [h for h, _ in hosts.values()] == ["box1", "box2", "box3"]
     assert len({i for _, i in hosts.values()}) == 3 and None not in {i for _, i in hosts.values()}
+
+
+def test_a_canary_between_pools_behind_nginx_weighs_each_pool(
+    models: dict[str, Path], need_nginx: str, tmp_path: Path, report: Any
+) -> None:
+    """Two pools on GPUs of their own, kdctl's nginx in front: a canary moves the pools'
+    weights, each pool's weight split over its replicas (one server each in the upstream),
+    under a load through the front with every request answered; then rolled back. Where the
+    pools need the same GPUs, a canary is refused: only rolling can move them."""
+    from kdctl.traffic import SqliteJournal
+    from tests.conftest import serve_reference
+    from tests.support.nginx import kdctl_front, router_entry
+    from tests.support.sshd import free_port
+    from tests.support.traffic import Load, weights
+
+    names = ("old-a", "old-b", "new-a", "new-b")
+    servers = {n: serve_reference(models["dsv3"]) for n in names}
+    try:
+        root = tmp_path / "nginx"
+        root.mkdir()
+
+        def pool(side: str, gpu: int) -> dict[str, Any]:
+            return {
+                "kind": "sglang",
+                "model": str(models["dsv3"]),
+                "gpus": [gpu],
+                "replicas": [
+                    {"host": f"host-{box}", "url": servers[f"{side}-{box}"].url}
+                    for box in ("a", "b")
+                ],
+            }
+
+        data: dict[str, Any] = {
+            "hosts": {
+                "host-a": {"transport": "local", "gpus": 2},
+                "host-b": {"transport": "local", "gpus": 2},
+                "local": {"transport": "local"},
+            },
+            "backends": {"old": pool("old", 0), "new": pool("new", 1)},
+            "router": router_entry(need_nginx, root, free_port(), serving="old"),
+            "state_dir": str(tmp_path / "state"),
+        }
+        inv = str(write_inventory(tmp_path / "inv.yaml", data))
+        canary = ["cutover", "--to", "new", "--strategy", "canary", "--steps", "10,50,100"]
+        with kdctl_front(Path(inv), {"old@host-a": 50, "old@host-b": 50}) as front:
+            plan = json.loads(kdctl(*canary, "--dry-run", "--json", "-i", inv).out)
+            assert [s["weights"] for s in plan["steps"] if s["kind"] == "set-weights"] == [
+                {"old": 90, "new": 10},
+                {"old": 50, "new": 50},
+                {"old": 0, "new": 100},
+            ]
+            with Load(front) as load:
+                run = kdctl(*canary, "--watch", "1", "--force", "--yes", "-i", inv)
+            assert run.code == 0, run.out + run.err
+            assert load.sent > 0 and load.failures == [], load.failures[:5]
+            include = root / "kdctl.conf"
+            assert weights(include) == {"new@host-a": 50, "new@host-b": 50}
+            with SqliteJournal(tmp_path / "state") as journal:
+                record = journal.latest()
+            assert record is not None
+            read_back = [
+                s.note for s in record.steps if s.kind == "set-weights" and s.phase == "done"
+            ]
+            first = "{'new@host-a': 5, 'new@host-b': 5, 'old@host-a': 45, 'old@host-b': 45}"
+            assert read_back[0] == f"read back {first}", read_back
+            promoted = json.loads(
+                kdctl("evidence", "list", "--gate", "promotion", "--json", "-i", inv).out
+            )["results"]
+            assert sorted((r["backend"], r["verdict"]) for r in promoted) == [
+                ("new@host-a", "pass"),
+                ("new@host-b", "pass"),
+            ]
+            with Load(front) as back_load:
+                back = kdctl("rollback", "--yes", "-i", inv)
+            assert back.code == 0, back.out + back.err
+            assert back_load.failures == [], back_load.failures[:5]
+            assert weights(include) == {"old@host-a": 50, "old@host-b": 50}
+
+        data["backends"]["new"]["gpus"] = [0]
+        shared = str(write_inventory(tmp_path / "shared.yaml", data))
+        refused = kdctl(*canary, "--dry-run", "-i", shared)
+        assert refused.code == 2, refused.out + refused.err
+        assert "old@host-a and new@host-a need the same GPUs on host-a" in refused.err
+    finally:
+        for served in servers.values():
+            served.proc.terminate()
+            served.proc.wait(10)
+    report(
+        f"canary between two pools behind nginx (10, 50, 100%): {load.sent} requests, 0 "
+        "failed; at 10% each new replica 5, each old 45; rolled back, 0 failed"
+    )

@@ -209,7 +209,8 @@ def _resume(ctx: _Resume) -> CutoverOutcome:
             started = utcnow()
             state = restore(inv, router, session, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl cutover --resume: rollback finished")
-            store.record(_rolled_back(inv, session, record, state, started, "resumed rollback"))
+            for result in _rolled_back(inv, session, record, state, started, "resumed rollback"):
+                store.record(result)
             return CutoverOutcome(
                 id=record.id,
                 plan=plan,
@@ -217,7 +218,11 @@ def _resume(ctx: _Resume) -> CutoverOutcome:
                 reason="rollback resumed",
                 router=state,
             )
-        expected = _resumable_weights(plan, record)
+        # As the router holds them: a pool's weight split over its replicas.
+        expected = [
+            {n: w for n, w in inv.replica_weights(ws).items() if w}
+            for ws in _resumable_weights(plan, record)
+        ]
         if live.weights not in expected:
             raise Refused(
                 f"cutover {record.id} cannot be resumed: the router now sends {live.weights}, "
@@ -378,16 +383,18 @@ def rollback(
             live = router.read()
             if plan.strategy == "rolling":
                 return _rollback_rolling(inv, store, router, journal, s, record, confirm, started)
-            unchanged = live.weights == {record.from_backend: 100} and not live.draining
+            back = {n: w for n, w in inv.replica_weights({record.from_backend: 100}).items() if w}
+            unchanged = live.weights == back and not live.draining
             if unchanged and live.applied is not False:
                 # Nothing to write, but the old engine must still be seen answering through
                 # the front before "rolled back" is said; an interrupted cutover still ends
                 # here, in the journal.
-                live = router.confirm({record.from_backend: 100})
+                live = router.confirm(back)
                 if record.state == "running":
                     journal.finish(record.id, "rolled_back", "kdctl rollback: router unchanged")
                     journal.supersede(f"superseded by the rollback of {record.id}")
-                    store.record(_rolled_back(inv, s, record, live, started, "router unchanged"))
+                    for result in _rolled_back(inv, s, record, live, started, "router unchanged"):
+                        store.record(result)
                 return record.from_backend, live
             if not confirm(
                 f"Roll back to {record.from_backend} (the router now sends {live.weights})?"
@@ -399,7 +406,8 @@ def rollback(
             state = restore(inv, router, s, plan, journal, record.id)
             journal.finish(record.id, "rolled_back", "kdctl rollback")
             journal.supersede(f"superseded by the rollback of {record.id}")
-            store.record(_rolled_back(inv, s, record, state, started, "kdctl rollback"))
+            for result in _rolled_back(inv, s, record, state, started, "kdctl rollback"):
+                store.record(result)
             return record.from_backend, state
 
 
@@ -436,9 +444,10 @@ def _rollback_rolling(
     journal.finish(record.id, "rolled_back", "kdctl rollback")
     journal.supersede(f"superseded by the rollback of {record.id}")
     for box in boxes_of(plan):
-        store.record(
-            _rolled_back(inv, session, record, state, started, "kdctl rollback", box.new, box.old)
-        )
+        for result in _rolled_back(
+            inv, session, record, state, started, "kdctl rollback", box.new, box.old
+        ):
+            store.record(result)
     return record.from_backend, state
 
 
@@ -451,21 +460,25 @@ def _rolled_back(
     how: str,
     backend: str | None = None,
     from_backend: str | None = None,
-) -> GateResult:
-    """A failed promotion of the cutover's target (a rolling cutover's: of each replica, from
-    the one it replaced on its box)."""
-    result = promotion_result(
-        inv,
-        backend or record.to_backend,
-        verdict="fail",
-        reason=f"cutover {record.id} rolled back to {record.from_backend} ({how})",
-        cutover=record.id,
-        from_backend=from_backend or record.from_backend,
-        strategy=record.strategy,
-        weights=state.weights,
-        started_at=started,
-    )
-    return session.binder.bind_result(result)
+) -> list[GateResult]:
+    """A failed promotion of the cutover's target, one per replica of a target pool (a
+    rolling cutover's: of the replica `backend`, from the one it replaced on its box)."""
+    return [
+        session.binder.bind_result(
+            promotion_result(
+                inv,
+                name,
+                verdict="fail",
+                reason=f"cutover {record.id} rolled back to {record.from_backend} ({how})",
+                cutover=record.id,
+                from_backend=from_backend or record.from_backend,
+                strategy=record.strategy,
+                weights=state.weights,
+                started_at=started,
+            )
+        )
+        for name in ([backend] if backend else inv.members(record.to_backend))
+    ]
 
 
 Order = Literal["pause", "promote", "abort"]

@@ -195,25 +195,35 @@ def plan_cutover(
     watch_s: float = 10.0,
     max_unavailable: int = 1,
 ) -> Plan:
-    if strategy == "rolling" or to in inv.pools:
+    split = strategy in ("canary", "blue-green")
+    if strategy == "rolling" or (to in inv.pools and not split):
         if strategy not in (None, "rolling"):
-            raise InputError(f"--strategy {strategy}: a pool is moved box by box (rolling)")
+            raise InputError(
+                f"--strategy {strategy}: a pool is moved box by box (rolling), or split by "
+                "weight from another pool on boxes of its own (canary, blue-green)"
+            )
         return plan_rolling(
             inv, router, current, to, max_unavailable=max_unavailable, watch_s=watch_s
         )
-    if to not in inv.backends:
-        raise InputError(f"--to: unknown backend {to!r} (known: {', '.join(sorted(inv.backends))})")
-    serving = current.serving
-    if len(serving) != 1:
-        raise InputError(
-            f"the router sends traffic to {serving or 'nothing'}: finish or roll back the "
-            "cutover in progress first (kdctl cutover --resume, kdctl rollback)"
-        )
-    (src,) = serving
+    if to in inv.pools:
+        src = serving_pool(inv, current.serving)
+        _own_boxes(inv, src, to, str(strategy))
+        shared = False
+    else:
+        if to not in inv.backends:
+            known = ", ".join(sorted(inv.backends))
+            raise InputError(f"--to: unknown backend {to!r} (known: {known})")
+        serving = current.serving
+        if len(serving) != 1:
+            raise InputError(
+                f"the router sends traffic to {serving or 'nothing'}: finish or roll back the "
+                "cutover in progress first (kdctl cutover --resume, kdctl rollback)"
+            )
+        (src,) = serving
+        shared = inv.backends[src].shares_gpus_with(inv.backends[to])
     if src == to:
         raise InputError(f"{to} already takes all traffic")
     caps = router.capabilities
-    shared = inv.backends[src].shares_gpus_with(inv.backends[to])
     if strategy is None:
         if shared:
             strategy, why = "swap", f"{src} and {to} need the same GPUs on {inv.backends[to].host}"
@@ -259,6 +269,31 @@ def plan_cutover(
     return Plan(from_backend=src, to_backend=to, strategy=strategy, reason=why, steps=steps)
 
 
+def serving_pool(inv: LoadedInventory, serving: list[str]) -> str:
+    """The one pool whose replicas are all the router sends to; InputError otherwise."""
+    src = {inv.pool_of(n) for n in serving}
+    if len(src) != 1 or None in src:
+        raise InputError(
+            f"the router sends traffic to {serving or 'nothing'}, not to one pool: finish or "
+            "roll back the cutover in progress first (kdctl cutover --resume, kdctl rollback)"
+        )
+    (pool,) = src
+    assert pool is not None
+    return pool
+
+
+def _own_boxes(inv: LoadedInventory, src: str, to: str, strategy: str) -> None:
+    """Two pools split by weight run at once: no replica of one may need another's GPUs."""
+    for a in inv.pools[src]:
+        for b in inv.pools[to]:
+            if inv.backends[a].shares_gpus_with(inv.backends[b]):
+                raise InputError(
+                    f"--strategy {strategy}: {a} and {b} need the same GPUs on "
+                    f"{inv.backends[b].host}, and a box runs one engine or the other: move "
+                    "the pool box by box (--strategy rolling)"
+                )
+
+
 def plan_rolling(
     inv: LoadedInventory,
     router: Router,
@@ -275,14 +310,7 @@ def plan_rolling(
         known = ", ".join(sorted(inv.pools)) or "none"
         raise InputError(f"--to {to}: a rolling cutover moves to a pool (known: {known})")
     serving = current.serving
-    src = {inv.pool_of(n) for n in serving}
-    if len(src) != 1 or None in src:
-        raise InputError(
-            f"the router sends traffic to {serving or 'nothing'}, not to one pool: finish or "
-            "roll back the cutover in progress first (kdctl cutover --resume, kdctl rollback)"
-        )
-    (from_pool,) = src
-    assert from_pool is not None
+    from_pool = serving_pool(inv, serving)
     if from_pool == to:
         raise InputError(f"{to} already takes all traffic")
     if max_unavailable < 1:

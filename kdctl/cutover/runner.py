@@ -78,8 +78,12 @@ class Runner:
         """Called before step `idx` is journaled: where a strategy heeds a person's order."""
 
     def promotions(self, outcome: CutoverOutcome, started: datetime) -> list[GateResult]:
-        """The evidence the cutover leaves about where it moved traffic."""
-        return [record_promotion(self.inv, outcome, started)]
+        """The evidence the cutover leaves about where it moved traffic: of a pool, about
+        each of its replicas."""
+        return [
+            record_promotion(self.inv, outcome, started, name)
+            for name in self.inv.members(outcome.plan.to_backend)
+        ]
 
     def _run(self, cid: str, plan: Plan, skip: set[int]) -> CutoverOutcome:
         try:
@@ -137,7 +141,9 @@ class Runner:
         self, plan: Plan, step: Step, on_written: Callable[[], None] | None = None
     ) -> str | None:
         if isinstance(step, SetWeights):
-            state = self.router.apply(step.weights, on_written=on_written)
+            # A pool's weight is its replicas' (split evenly): the router holds replicas.
+            weights = self.inv.replica_weights(step.weights)
+            state = self.router.apply(weights, on_written=on_written)
             if self.drained_at is not None:
                 self.downtime_s = round(time.monotonic() - self.drained_at, 3)
                 self.drained_at = None
@@ -196,7 +202,9 @@ class Runner:
         )
 
     def _watch(self, plan: Plan, seconds: float) -> str:
-        result = watch_front(self.inv, self.router, plan.to_backend, seconds)
+        # A pool is watched through its first replica's counters, each replica's health.
+        first, *rest = self.inv.members(plan.to_backend)
+        result = watch_front(self.inv, self.router, first, seconds, also_healthy=rest)
         self.watches.append(result)
         if result.broke:
             raise AnalysisFailed("SLO breach during the canary: " + "; ".join(result.broke))
@@ -250,9 +258,10 @@ def best_effort(write: Callable[..., None], *args: Any) -> None:
 
 
 def record_promotion(
-    inv: LoadedInventory, outcome: CutoverOutcome, started: datetime
+    inv: LoadedInventory, outcome: CutoverOutcome, started: datetime, backend: str | None = None
 ) -> GateResult:
-    """The evidence a finished cutover leaves about its target: promoted, or rolled back."""
+    """The evidence a finished cutover leaves about its target (`backend`: one replica of a
+    target pool): promoted, or rolled back."""
     plan = outcome.plan
     ends: dict[str, tuple[Verdict, str]] = {
         "succeeded": ("pass", f"all traffic moved to {plan.to_backend}"),
@@ -263,7 +272,7 @@ def record_promotion(
     verdict, said = ends[outcome.state]
     return promotion_result(
         inv,
-        plan.to_backend,
+        backend or plan.to_backend,
         verdict=verdict,
         reason=f"cutover {outcome.id} ({plan.strategy} from {plan.from_backend}): {said}",
         cutover=outcome.id,
@@ -336,14 +345,15 @@ def restore(
     detail = {"weights": weights}
     record_step = partial(best_effort, journal.step, cid, idx, "rollback-set-weights", detail)
     live = router.read()
+    back = {n: w for n, w in inv.replica_weights({plan.from_backend: 100}).items() if w > 0}
     # A file that says so but was never loaded (kdctl killed before the reload) is no proof.
-    if live.weights == {plan.from_backend: 100} and not live.draining and live.applied is not False:
+    if live.weights == back and not live.draining and live.applied is not False:
         # The failed step never took: rewriting the router would only be a needless reload.
         # That the old engine answers through it is still shown, not taken from the file.
-        confirmed = router.confirm({plan.from_backend: 100})
+        confirmed = router.confirm(back)
         record_step("done", "unchanged")
         return confirmed
     record_step("started")
-    state = router.apply(weights)
+    state = router.apply(inv.replica_weights(weights))
     record_step("done", str(state.weights))
     return state

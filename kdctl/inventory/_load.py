@@ -82,6 +82,18 @@ class LoadedInventory:
     def pool_of(self, backend: str) -> str | None:
         return next((pool for pool, names in self.pools.items() if backend in names), None)
 
+    def replica_weights(self, weights: Mapping[str, int]) -> dict[str, int]:
+        """Weights that may name pools, as the backends a router holds: a pool's weight split
+        over its replicas as evenly as whole percents allow, the remainder to the first ones
+        (a pool given less than it has replicas leaves some of them none)."""
+        out: dict[str, int] = {}
+        for name, weight in weights.items():
+            replicas = self.members(name)
+            for i, replica in enumerate(replicas):
+                share = weight // len(replicas) + (1 if i < weight % len(replicas) else 0)
+                out[replica] = out.get(replica, 0) + share
+        return out
+
     def api_key(self, backend: str) -> SecretStr | None:
         """The backend's key; an InputError when its variable is unset, since a request sent
         without it would only be refused."""

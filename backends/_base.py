@@ -51,6 +51,8 @@ class Backend(abc.ABC):
     # num_requests_running): what a drain waits on and what headroom is judged by.
     running_gauge: ClassVar[str | None] = None
     queued_gauge: ClassVar[str | None] = None
+    # The fraction of its KV cache in use; the first of these the engine exports.
+    token_usage_gauges: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -140,7 +142,11 @@ class Backend(abc.ABC):
         running = gauge(self.running_gauge)
         if running is None:
             return None
-        return EngineLoad(running=running, queued=gauge(self.queued_gauge))
+        usage = next(
+            (u for u in map(gauge, self.token_usage_gauges) if u is not None),
+            None,
+        )
+        return EngineLoad(running=running, queued=gauge(self.queued_gauge), token_usage=usage)
 
     def spec_counters(self) -> SpecCounters | None:
         """The engine's running totals of speculative decoding, where its metrics export them

@@ -125,10 +125,12 @@ class SpecCounters:
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """What an engine has in hand now, from its own gauges (`Backend.load()`): requests being
-    decoded, and those waiting for a slot where it says (None: not exported, not zero)."""
+    decoded, those waiting for a slot, and the share of its KV cache in use (0 to 1), each
+    where it says (None: not exported, not zero)."""
 
     running: float
     queued: float | None
+    token_usage: float | None = None
 
     @property
     def total(self) -> float:

@@ -52,6 +52,8 @@ class OpenAIBackend(HttpBackend):
     ttft_histogram = "vllm:time_to_first_token_seconds"
     running_gauge = "vllm:num_requests_running"
     queued_gauge = "vllm:num_requests_waiting"
+    # Renamed in vLLM's V1 engine; the older name where it is the one exported.
+    token_usage_gauges = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
     _model: str | None = None
 
     def _card(self) -> dict[str, Any]:

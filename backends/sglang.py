@@ -28,6 +28,7 @@ class SGLangBackend(HttpBackend):
     ttft_histogram = "sglang:time_to_first_token_seconds"
     running_gauge = "sglang:num_running_reqs"
     queued_gauge = "sglang:num_queue_reqs"
+    token_usage_gauges = ("sglang:token_usage",)
     # Whether the URL reaches one engine, whose server arguments then say how every stream
     # from it reads. A router's front may reach several (a canary's two engines, of two
     # releases): there each stream is read by its own shape, never by one engine's word.

@@ -195,6 +195,23 @@ def _scrape(tmp_path: Path, name: str) -> Any:
         server.shutdown()
 
 
+def test_an_engines_load_is_read_from_sglangs_own_gauges_as_scraped(tmp_path: Path) -> None:
+    """What a rolling cutover's headroom and drain read of an engine: its running and queued
+    requests and the share of its KV cache in use, from a busy SGLang's own scrape."""
+    from kdctl.backends import EngineLoad
+
+    text = (SGLANG / "metrics" / "docs-2025-03-03.prom").read_bytes()
+    answers = {("GET", "/metrics"): (200, text, "text/plain; version=0.0.4; charset=utf-8")}
+    server = serve(replay(answers))
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with make_backend("busy", BackendSpec(kind="sglang", host="local", url=url)) as be:
+            load = be.load()
+    finally:
+        server.shutdown()
+    assert load == EngineLoad(running=162.0, queued=2826.0, token_usage=0.28)
+
+
 def test_the_canary_reads_sglangs_own_metrics_as_scraped(tmp_path: Path) -> None:
     """Scrapes of early-2025 SGLang: no request counter yet (not counted is not zero), TTFT
     buckets from 1 ms, so a 50 ms SLO is judged from them; where a percentile lies past the

@@ -109,6 +109,10 @@ def test_openai_kind_against_vllm(vllm: str, llama: Path, report: Any) -> None:
         chunks = list(be.stream(req))
         assert be.health().state == "up"
         assert any(name.startswith("vllm:") for name in be.metrics())
+        # Its load by its own gauges, as a rolling cutover's drain and headroom read it: idle.
+        load = be.load()
+        assert load is not None and (load.running, load.queued) == (0, 0), load
+        assert load.token_usage is not None and 0 <= load.token_usage <= 1, load
     assert got.completion_tokens == 16 and got.prompt_tokens == 6
     assert len(got.output_ids) == 16 and all(0 <= t < 2048 for t in got.output_ids)
     for lp in got.logprobs:

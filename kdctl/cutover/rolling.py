@@ -175,6 +175,7 @@ def headroom(
     `capacity_per_replica`, else the pool's measured peak (`measured_peak`, from `store`);
     HeadroomRefused, with the figures, where they could not."""
     loads: dict[str, float] = {}
+    usage: dict[str, float] = {}
     unread: list[str] = []
     for name in members:
         try:
@@ -186,6 +187,8 @@ def headroom(
             unread.append(name)
         else:
             loads[name] = load.total
+            if load.token_usage is not None:
+                usage[name] = load.token_usage
     left = [m for m in members if m not in out]
     capacity = 0
     by: dict[str, str] = {}
@@ -215,6 +218,9 @@ def headroom(
         f"load {total:g} requests (running and queued) on {len(members)} engines; the "
         f"{len(left)} left carry {capacity} ({'; '.join(by.values())})"
     )
+    if usage:
+        # Shown, not judged: caches of two engines' builds hold different token counts.
+        said += "; KV cache in use: " + ", ".join(f"{n} {u:.0%}" for n, u in sorted(usage.items()))
     if total > capacity:
         raise HeadroomRefused(f"headroom: {said}: taking out {', '.join(out)} refused")
     return said

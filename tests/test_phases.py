@@ -401,6 +401,15 @@ def _ct200_on_loopback(
     commands["tiny-greedy-exact"]["command"] = [wrapper, team, "--dtype", "fp32"]
     commands["tiny-greedy-exact-int4"]["command"] = [wrapper, team, "--w4a16"]
     commands["core-tests"]["command"] = [_script(tmp_path / "kdtree-tests", UNIT_TESTS)]
+    # The roadmap's own, but for its production exactness's output length, 16 tokens where it
+    # asks 64 (and the inventory's, which SGLang's golden outputs are recorded by): 108
+    # prompts of 64 tokens from two engines that answer one request at a time are two minutes
+    # of this machine's cores, and the rule judged is the same.
+    roadmap = yaml.safe_load((REPO / "roadmap" / "kimi-k26-native.yaml").read_text())
+    (production,) = (p for p in roadmap["phases"] if p["id"] == "production-exactness")
+    production["criteria"][0]["settings"]["max_new_tokens"] = 16
+    data["gates"]["exactness"]["max_new_tokens"] = 16
+    (tmp_path / "kimi-k26-native.yaml").write_text(yaml.safe_dump(roadmap, sort_keys=False))
     data["roadmap"] = "kimi-k26-native.yaml"
     data["state_dir"] = "state"
     return write_inventory(tmp_path / "ct200-loopback.yaml", data)

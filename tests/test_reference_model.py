@@ -152,3 +152,40 @@ def test_set_changes_the_config(tmp_path: Path) -> None:
         1,
         "gelu",
     )
+
+
+def test_the_tiny_deepseek_v3_is_configured_as_kimi_k2(models: dict[str, Path]) -> None:
+    """K2's own routing and position fields in the config, under K2's names (which SGLang's
+    DeepSeek model reads) and transformers 5's; and the model honouring them as transformers
+    does: YaRN's mscale squared on the attention scale, the routed experts' scaling."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((models["dsv3"] / "config.json").read_text())
+    assert config["rope_scaling"] == {
+        "type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    assert config["rope_theta"] == 50000.0 and config["max_position_embeddings"] == 2048
+    k2 = {
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "routed_scaling_factor": 2.827,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+    }
+    assert {k: config[k] for k in k2} == k2
+    model = AutoModelForCausalLM.from_pretrained(models["dsv3"])
+    attn = model.model.layers[0].self_attn
+    mscale = 0.1 * math.log(32.0) + 1.0
+    head = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    assert math.isclose(attn.scaling, head**-0.5 * mscale * mscale, rel_tol=1e-6)
+    assert model.model.layers[1].mlp.gate.routed_scaling_factor == 2.827

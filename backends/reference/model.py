@@ -60,6 +60,17 @@ LARGE_DEEPSEEK_V3: dict[str, Any] = {
     "v_head_dim": 128,
 }
 LARGE_TRAINING: dict[str, Any] = {"lr": 5e-4, "grad_clip": 1.0}
+# Kimi K2's rope_scaling, its context scaled down to the tiny model's: the same factor, beta
+# and mscale, 64 original positions for K2's 4,096.
+K2_YARN: dict[str, Any] = {
+    "type": "yarn",
+    "factor": 32.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 Size = Literal["tiny", "large"]
 # make_model's keyword arguments for each size the CLI offers (`make-model --size`).
 SIZES: dict[Size, dict[str, Any]] = {
@@ -126,8 +137,21 @@ def _config(arch: Arch, overrides: Mapping[str, Any] | None = None) -> Any:
             n_routed_experts=8,
             num_experts_per_tok=2,
             first_k_dense_replace=1,
+            # Kimi K2's own routing (moonshotai/Kimi-K2-Instruct's config.json): sigmoid
+            # scores with a correction bias picking the top experts (noaux_tc), one group,
+            # their weights normalised and scaled by 2.827; every layer past the first MoE.
             n_group=1,
             topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.827,
+            moe_layer_freq=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            # And its positions: YaRN, as K2 stretches 4,096 positions 32 times to 131,072,
+            # here 64 to the tiny model's 2,048, which scales attention by YaRN's mscale
+            # squared (0.1 ln 32 + 1)^2 = 1.81 as K2's does.
+            rope_theta=50000.0,
+            rope_scaling=dict(K2_YARN),
             kv_lora_rank=16,
             q_lora_rank=32,
             qk_rope_head_dim=8,
@@ -344,6 +368,7 @@ def _save(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    _k2_fields(out / "config.json")
     meta = {
         "arch": arch,
         "seed": SEED,
@@ -354,6 +379,21 @@ def _save(
         **extra,
     }
     (out / "kdctl-model.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _k2_fields(path: Path) -> None:
+    """K2's own names for its positions beside transformers 5's: it writes `rope_parameters`
+    only, and an engine reading a K2 config (SGLang's DeepSeek model) looks for `rope_theta`
+    and `rope_scaling`."""
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "yarn" or config.get("rope_scaling"):
+        return
+    config["rope_theta"] = rope["rope_theta"]
+    config["rope_scaling"] = {
+        k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")
+    } | {"type": "yarn"}
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _train(

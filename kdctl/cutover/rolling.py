@@ -192,13 +192,17 @@ def headroom(
     left = [m for m in members if m not in out]
     capacity = 0
     by: dict[str, str] = {}
+    peaks: dict[str, tuple[int, str] | None] = {}
     for name in left:
         pool = inv.pool_of(name) or name
         spec = inv.spec.backends.get(pool)
         per = spec.capacity_per_replica if isinstance(spec, PoolSpec) else None
+        if per is None and store is not None and pool not in peaks:
+            peaks[pool] = measured_peak(inv, store, session, pool)
+        peak = peaks.get(pool)
         if per is not None:
             by.setdefault(pool, f"{pool}: {per} a replica by its capacity_per_replica")
-        elif store is not None and (peak := measured_peak(inv, store, session, pool)):
+        elif peak is not None:
             per = peak[0]
             by.setdefault(pool, f"{pool}: {per} a replica, measured ({peak[1]})")
         else:

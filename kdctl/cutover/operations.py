@@ -220,8 +220,7 @@ def _resume(ctx: _Resume) -> CutoverOutcome:
             )
         # As the router holds them: a pool's weight split over its replicas.
         expected = [
-            {n: w for n, w in inv.replica_weights(ws).items() if w}
-            for ws in _resumable_weights(plan, record)
+            inv.replica_weights(ws, sent_to=True) for ws in _resumable_weights(plan, record)
         ]
         if live.weights not in expected:
             raise Refused(
@@ -383,7 +382,7 @@ def rollback(
             live = router.read()
             if plan.strategy == "rolling":
                 return _rollback_rolling(inv, store, router, journal, s, record, confirm, started)
-            back = {n: w for n, w in inv.replica_weights({record.from_backend: 100}).items() if w}
+            back = inv.replica_weights({record.from_backend: 100}, sent_to=True)
             unchanged = live.weights == back and not live.draining
             if unchanged and live.applied is not False:
                 # Nothing to write, but the old engine must still be seen answering through

@@ -345,7 +345,7 @@ def restore(
     detail = {"weights": weights}
     record_step = partial(best_effort, journal.step, cid, idx, "rollback-set-weights", detail)
     live = router.read()
-    back = {n: w for n, w in inv.replica_weights({plan.from_backend: 100}).items() if w > 0}
+    back = inv.replica_weights({plan.from_backend: 100}, sent_to=True)
     # A file that says so but was never loaded (kdctl killed before the reload) is no proof.
     if live.weights == back and not live.draining and live.applied is not False:
         # The failed step never took: rewriting the router would only be a needless reload.

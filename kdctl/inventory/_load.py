@@ -82,10 +82,15 @@ class LoadedInventory:
     def pool_of(self, backend: str) -> str | None:
         return next((pool for pool, names in self.pools.items() if backend in names), None)
 
-    def replica_weights(self, weights: Mapping[str, int]) -> dict[str, int]:
+    def replica_weights(
+        self, weights: Mapping[str, int], *, sent_to: bool = False
+    ) -> dict[str, int]:
         """Weights that may name pools, as the backends a router holds: a pool's weight split
         over its replicas as evenly as whole percents allow, the remainder to the first ones
-        (a pool given less than it has replicas leaves some of them none)."""
+        (a pool given less than it has replicas leaves some of them none); `sent_to`: only
+        those given some, as a router reads back."""
+        if sent_to:
+            return {n: w for n, w in self.replica_weights(weights).items() if w > 0}
         out: dict[str, int] = {}
         for name, weight in weights.items():
             replicas = self.members(name)

@@ -789,6 +789,15 @@ def sandbox_up(
         Literal["auto", "nginx", "sglang-router"],
         typer.Option("--router", help="auto: nginx when installed, else sglang-router."),
     ] = "auto",
+    baseline: Annotated[
+        Literal["reference", "sglang"] | None,
+        typer.Option(
+            "--baseline",
+            help="What serves as baseline: kdctl's reference server, or SGLang itself (its CPU "
+            "build, from scripts/bootstrap-sglang). [default: reference; a sandbox already up "
+            "keeps its own]",
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Make the models and start the engines and the router, reusing whatever already runs."""
@@ -796,7 +805,7 @@ def sandbox_up(
     from kdctl.tables import progress_bars
 
     with progress_bars(err, not json_) as progress:
-        st = up(dir_, router_choice=router, progress=progress)
+        st = up(dir_, router_choice=router, baseline=baseline, progress=progress)
     _sandbox_out(st, json_)
 
 

@@ -56,6 +56,53 @@ SPECULATIVE = {"candidate"}
 # is its own timings of batch runs, compared with the baseline's served run of the prompts.
 BATCH_ENGINE = "candidate-batch"
 FRONT_PORT = 8000
+# Where scripts/bootstrap-sglang installs SGLang's CPU build, and the stand-in for its CUDA
+# kernel package that it runs with (scripts/sglang_cpu: also routes its CPU prefill of a
+# DeepSeek model through its own MLA path; docs/sglang-compatibility.md says why).
+SGLANG_VERSION = "0.5.23"
+SGLANG_CPU = Path(__file__).resolve().parent.parent / "scripts" / "sglang_cpu"
+BaselineChoice = Literal["reference", "sglang"]
+
+
+def sglang_venv() -> Path:
+    default = Path.home() / ".cache" / "kdctl" / f"sglang-cpu-{SGLANG_VERSION}"
+    return Path(os.environ.get("KDCTL_SGLANG_VENV", default))
+
+
+def _sglang_python() -> Path:
+    """SGLang's CPU build's interpreter; InputError where scripts/bootstrap-sglang has not
+    installed it (completely) or the checkout's stand-in is not there."""
+    venv = sglang_venv()
+    python = venv / "bin" / "python"
+    if not (venv / ".complete").is_file() or not python.exists() or not SGLANG_CPU.is_dir():
+        raise InputError(
+            f"--baseline sglang: SGLang {SGLANG_VERSION}'s CPU build is not installed at {venv} "
+            "(scripts/bootstrap-sglang installs it, from a checkout of kdctl)"
+        )
+    return python
+
+
+def _sglang_service(root: Path, model: str, port: int) -> dict[str, Any]:
+    """The baseline as SGLang itself: its CPU build on the sandbox's weights, as the tests
+    run it."""
+    return {
+        "command": [
+            str(_sglang_python()),
+            *("-m", "sglang.launch_server", "--model-path", str(root / "models" / model)),
+            *("--served-model-name", model, "--host", "127.0.0.1", "--port", str(port)),
+            *("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"),
+            *("--grammar-backend", "none", "--max-total-tokens", "8192", "--enable-metrics"),
+            # Its scheduler otherwise polls for work on a whole core while idle.
+            "--sleep-on-idle",
+        ],
+        "env": {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "PYTHONPATH": str(SGLANG_CPU),
+            "HF_HUB_OFFLINE": "1",
+        },
+        "pidfile": str(root / "run" / "baseline.pid"),
+        "log": str(root / "log" / "baseline.log"),
+    }
 
 
 class ProcessState(BaseModel):
@@ -106,7 +153,7 @@ def _router_kind() -> Literal["nginx", "sglang-router"]:
     return "sglang-router"
 
 
-def _inventory(root: Path, router: str) -> dict[str, Any]:
+def _inventory(root: Path, router: str, baseline: BaselineChoice = "reference") -> dict[str, Any]:
     """The top-level inventory.yaml's setup, with the absolute paths of this folder."""
     shipped = Path(__file__).resolve().parent.parent / "inventory.yaml"
     base: dict[str, Any] = yaml.safe_load(shipped.read_text()) if shipped.is_file() else {}
@@ -132,6 +179,8 @@ def _inventory(root: Path, router: str) -> dict[str, Any]:
         }
         if kind == "native":
             spec["mode"] = "http"
+        if name == "baseline" and baseline == "sglang":
+            spec["service"] = _sglang_service(root, model, port)
         backends[name] = spec
     batch_model = root / "models" / ENGINES["candidate"][1]
     backends[BATCH_ENGINE] = {
@@ -185,22 +234,47 @@ def _nginx_main(root: Path) -> str:
 RouterChoice = Literal["auto", "nginx", "sglang-router"]
 
 
-def up(root: Path, *, router_choice: RouterChoice = "auto", progress: Any = None) -> SandboxStatus:
+def _baseline_of(inventory: dict[str, Any]) -> BaselineChoice:
+    command = inventory["backends"]["baseline"]["service"]["command"]
+    return "sglang" if "sglang.launch_server" in command else "reference"
+
+
+def up(
+    root: Path,
+    *,
+    router_choice: RouterChoice = "auto",
+    baseline: BaselineChoice | None = None,
+    progress: Any = None,
+) -> SandboxStatus:
+    """`baseline`: what serves as `baseline`, kdctl's reference server (the default) or SGLang
+    itself; None keeps what a sandbox already up runs."""
     root = root.resolve()
+    if baseline == "sglang":
+        _sglang_python()  # refused before anything is made
     for sub in ("models", "run", "log", "nginx/tmp", "state"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     existing = root / "inventory.yaml"
     if existing.exists():
-        # Reused as it is: a second `up` must not swap the router under running engines.
-        router = yaml.safe_load(existing.read_text())["router"]["kind"]
+        # Reused as it is: a second `up` must not swap the router or the baseline under
+        # running engines.
+        old = yaml.safe_load(existing.read_text())
+        router = old["router"]["kind"]
         if router_choice not in ("auto", router):
             raise InputError(
                 f"{root} already runs with {router}; kdctl sandbox down --dir {root} first"
             )
+        running = _baseline_of(old)
+        if baseline not in (None, running):
+            raise InputError(
+                f"{root} already runs {running} as its baseline; kdctl sandbox down --dir "
+                f"{root} first"
+            )
+        baseline = running
     else:
         router = _router_kind() if router_choice == "auto" else router_choice
     inv_path = root / "inventory.yaml"
-    inv_path.write_text(yaml.safe_dump(_inventory(root, router), sort_keys=False))
+    written = _inventory(root, router, baseline or "reference")
+    inv_path.write_text(yaml.safe_dump(written, sort_keys=False))
     make_models(root, progress)
     inv = load_inventory(inv_path)
     with TransportPool(inv) as pool, ExitStack() as open_backends:
@@ -214,7 +288,8 @@ def up(root: Path, *, router_choice: RouterChoice = "auto", progress: Any = None
         for i, control in enumerate(controls):
             if progress:
                 progress("engines ready", i, len(controls))
-            control.wait_ready(deadline_s=300)
+            # SGLang on two cores takes a minute or two.
+            control.wait_ready(deadline_s=600)
         if progress:
             progress("engines ready", len(controls), len(controls))
         _start_router(inv, root, router, pool)

@@ -626,7 +626,7 @@ def initbox(llama: Path) -> Iterator[InitBox]:
     sglang_argv = _sglang_argv(llama, key)
     env = {
         "SGLANG_USE_CPU_ENGINE": "1",
-        "PYTHONPATH": str(REPO / "tests" / "support" / "sglang_cpu"),
+        "PYTHONPATH": str(REPO / "scripts" / "sglang_cpu"),
         "HF_HUB_OFFLINE": "1",
     }
     # The unit holds the variable, as a unit should; systemd would expand it on start.

@@ -46,27 +46,65 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_sandbox_with_sglang_router_cuts_over_blue_green(
-    tmp_path: Path, sandbox_models: Path
+def test_sandbox_with_sglang_as_baseline_where_it_is_not_installed(tmp_path: Path) -> None:
+    """Refused, naming where it was looked for and what installs it; nothing made."""
+    root = tmp_path / "sandbox"
+    missing = kdctl(
+        "sandbox", "up", "--dir", str(root), "--baseline", "sglang",
+        env={"KDCTL_SGLANG_VENV": str(tmp_path / "absent")},
+    )  # fmt: skip
+    assert missing.code == 2 and "Traceback" not in missing.err, missing.err
+    assert f"not installed at {tmp_path / 'absent'}" in missing.err, missing.err
+    assert "scripts/bootstrap-sglang" in missing.err and not root.exists()
+
+
+def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
+    tmp_path: Path, sandbox_models: Path, report: Any
 ) -> None:
-    """Where nginx is missing the sandbox fronts its engines with SGLang's router, which has no
-    weights: the same cutover becomes blue-green."""
+    """`--baseline sglang`: SGLang 0.5.23 itself (its CPU build) serves as baseline on the
+    sandbox's K2-configured weights, SGLang's router in front (which has no weights, so the
+    cutover is blue-green). The baseline's golden outputs are recorded from SGLang, the
+    candidate is held to them and meets strict exactness; it is cut over to and rolled back
+    under a load through the router: every request answered."""
+    from kdctl.sandbox import SGLANG_VERSION, sglang_venv
+    from tests.conftest import need_engine
+    from tests.support.traffic import Load
+
     need_sglang_router()
+    need_engine(sglang_venv() / "bin" / "python", "scripts/bootstrap-sglang")
     root = _sandbox_dir(tmp_path, sandbox_models)
     up = kdctl(
-        "sandbox", "up", "--dir", str(root), "--router", "sglang-router", "--json", timeout=600
-    )
+        "sandbox", "up", "--dir", str(root), "--router", "sglang-router", "--baseline", "sglang",
+        "--json", timeout=900,
+    )  # fmt: skip
     try:
         assert up.code == 0, up.out + up.err
         assert json.loads(up.out)["router"] == "sglang-router"
         inv = str(root / "inventory.yaml")
+        status = json.loads(kdctl("status", "-i", inv, "--json").out)
+        engines = {b["name"]: b for b in status["backends"]}
+        assert engines["baseline"]["version"] == SGLANG_VERSION, engines["baseline"]
+        recorded = kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", inv)
+        assert recorded.code == 0, recorded.out + recorded.err
+        gate = kdctl(
+            "gate", "run", "exactness", "-b", "candidate", "--baseline", "baseline",
+            "-i", inv, "--json", timeout=300,
+        )  # fmt: skip
+        result = json.loads(gate.out)["results"][0]
+        # The sandbox's exactness is strict: every prompt token for token.
+        assert result["settings"]["mode"] == "strict", result["settings"]
+        assert result["verdict"] == "pass", result["reasons"]
+        assert "golden outputs recorded" in result["reasons"][0], result["reasons"]
         plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv)
         assert "plan: blue-green" in plan.out, plan.out + plan.err
-        run = kdctl(
-            "cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json", timeout=300
-        )
+        with Load("http://127.0.0.1:8000") as load:
+            run = kdctl(
+                "cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json",
+                timeout=300,
+            )  # fmt: skip
         assert run.code == 0, run.out + run.err
         assert json.loads(run.out)["router"]["weights"] == {"candidate": 100}
+        assert load.sent > 0 and load.failures == [], load.failures[:5]
         status = kdctl("status", "-i", inv, "--json")
         serving = json.loads(status.out)["answers"]["serving"]
         # SGLang's router names no backend per answer: its one worker, healthy directly.
@@ -75,10 +113,20 @@ def test_sandbox_with_sglang_router_cuts_over_blue_green(
             True,
             "candidate",
         )
-        assert serving["routed"]["weights"] == {"candidate": 100}
+        with Load("http://127.0.0.1:8000") as back_load:
+            back = kdctl("rollback", "--yes", "-i", inv, timeout=300)
+        assert back.code == 0, back.out + back.err
+        assert back_load.failures == [], back_load.failures[:5]
     finally:
         down = kdctl("sandbox", "down", "--dir", str(root), "--json")
     assert down.code == 0 and not any(p["running"] for p in json.loads(down.out)["processes"])
+    metrics = {m["name"]: m["value"] for m in result["metrics"]}
+    report(
+        f"sandbox with SGLang {SGLANG_VERSION} itself as baseline: the candidate strict-exact "
+        f"against SGLang's golden outputs ({metrics['exact_prompts']:g}/{metrics['prompts']:g} "
+        f"prompts, mean top-5 logprob difference {metrics['mean_top_logprob_diff']:.4f}); cut "
+        f"over and back under {load.sent + back_load.sent} requests, 0 failed"
+    )
 
 
 def _up_reused_and_read(root: Path) -> dict[str, int]:

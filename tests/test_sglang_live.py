@@ -1,7 +1,7 @@
 """kdctl against SGLang itself: release 0.5.23, its CPU engine, serving the tiny Llama made here
 (`scripts/bootstrap-sglang` installs it). Everything SGLang answers with is its own: the HTTP
 server, tokenizer manager, scheduler and detokenizer, the model run by its PyTorch layers. Only
-its compiled kernel package, published for CUDA alone, is absent; tests/support/sglang_cpu
+its compiled kernel package, published for CUDA alone, is absent; scripts/sglang_cpu
 stands in for its import and fails any call. Speculative decoding does not run this way (its
 tree kernels are compiled ones): SGLang's accept length is held to captured answers instead
 (tests/test_sglang_captured.py)."""
@@ -41,7 +41,7 @@ VERSION = "0.5.23"
 def sglang(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """SGLang 0.5.23 on the CPU serving the tiny deepseek_v3 configured as Kimi K2 is: its
     DeepSeek model code (MLA attention, sigmoid-routed experts, YaRN), as the team's box runs
-    it, with tests/support/sglang_cpu standing in for its CUDA kernels and routing its CPU
+    it, with scripts/sglang_cpu standing in for its CUDA kernels and routing its CPU
     prefill through its own MLA path (sitecustomize.py says why)."""
     need_engine(SGLANG_PYTHON, "scripts/bootstrap-sglang")
     port = free_port()
@@ -49,7 +49,7 @@ def sglang(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
     env = {
         **os.environ,
         "SGLANG_USE_CPU_ENGINE": "1",
-        "PYTHONPATH": str(REPO / "tests" / "support" / "sglang_cpu"),
+        "PYTHONPATH": str(REPO / "scripts" / "sglang_cpu"),
         "HF_HUB_OFFLINE": "1",
     }
     argv = [

@@ -172,6 +172,9 @@ def _inventory(root: Path, router: str, baseline: BaselineChoice = "reference") 
                     served_name=model,
                     draft=root / "models" / DRAFT if name in SPECULATIVE else None,
                     draft_tokens=DRAFT_TOKENS if name in SPECULATIVE else None,
+                    # Against SGLang itself, the native engine speaks its API as of its
+                    # release, as the team's would: the api-conformance gate holds it to that.
+                    sglang_version=SGLANG_VERSION if baseline == "sglang" else None,
                 ),
                 "pidfile": str(root / "run" / f"{name}.pid"),
                 "log": str(root / "log" / f"{name}.log"),

@@ -64,8 +64,9 @@ def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
     """`--baseline sglang`: SGLang 0.5.23 itself (its CPU build) serves as baseline on the
     sandbox's K2-configured weights, SGLang's router in front (which has no weights, so the
     cutover is blue-green). The baseline's golden outputs are recorded from SGLang, the
-    candidate is held to them and meets strict exactness; it is cut over to and rolled back
-    under a load through the router: every request answered."""
+    candidate is held to them and meets strict exactness, and speaks SGLang's API as SGLang
+    answered it; it is cut over to and rolled back under a load through the router: every
+    request answered; the report then names the baseline serving."""
     from kdctl.sandbox import SGLANG_VERSION, sglang_venv
     from tests.conftest import need_engine
     from tests.support.traffic import Load
@@ -95,6 +96,13 @@ def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
         assert result["settings"]["mode"] == "strict", result["settings"]
         assert result["verdict"] == "pass", result["reasons"]
         assert "golden outputs recorded" in result["reasons"][0], result["reasons"]
+        # Served against SGLang itself, the native engine speaks its API as of its release.
+        api = kdctl(
+            "gate", "run", "api-conformance", "-b", "candidate", "--baseline", "baseline",
+            "-i", inv, "--json", timeout=300,
+        )  # fmt: skip
+        conformance = json.loads(api.out)["results"][0]
+        assert conformance["verdict"] == "pass", conformance["reasons"]
         plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv)
         assert "plan: blue-green" in plan.out, plan.out + plan.err
         with Load("http://127.0.0.1:8000") as load:
@@ -117,6 +125,11 @@ def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
             back = kdctl("rollback", "--yes", "-i", inv, timeout=300)
         assert back.code == 0, back.out + back.err
         assert back_load.failures == [], back_load.failures[:5]
+        # The report says so too: the baseline, SGLang, serving again.
+        made = kdctl("report", "-f", "markdown,json", "-o", str(tmp_path / "report"), "-i", inv)
+        assert made.code in (0, 1), made.out + made.err
+        shown = json.loads((tmp_path / "report" / "report.json").read_text())
+        assert shown["answers"]["serving"]["backend"] == "baseline", shown["answers"]
     finally:
         down = kdctl("sandbox", "down", "--dir", str(root), "--json")
     assert down.code == 0 and not any(p["running"] for p in json.loads(down.out)["processes"])

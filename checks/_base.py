@@ -139,6 +139,29 @@ class Gate(abc.ABC):
             workload=workload,
         )
 
+    def unrecorded(
+        self,
+        ctx: GateContext,
+        backend: str,
+        baseline: str,
+        *,
+        said: str,
+        workload: str,
+        started: datetime,
+    ) -> GateResult:
+        """Held to the baseline's records only (`recorded_only`: the baseline is stopped), with
+        none usable: skipped, `said` (what was not done) and why, never an answer asked of it."""
+        why = ctx.passed_over.get(baseline) or f"{baseline} has none recorded"
+        return self.result(
+            ctx,
+            backend,
+            started=started,
+            baseline=baseline,
+            verdict="skipped",
+            reasons=[f"{said} ({why})"],
+            workload=workload,
+        )
+
 
 def engine_now(ctx: GateContext, backend: str) -> EngineInfo | None:
     """Who the engine says it is while a host-level gate looks at its box, where it answers

@@ -192,15 +192,13 @@ class ExactnessGate(Gate):
                 f"golden outputs recorded {golden.created_at:%Y-%m-%d %H:%M}Z" if golden else ""
             )
             if golden is None and ctx.recorded_only:
-                why = ctx.passed_over.get(baseline) or f"{baseline} has none recorded"
-                return self.result(
+                return self.unrecorded(
                     ctx,
                     backend,
-                    started=started,
-                    baseline=baseline,
-                    verdict="skipped",
-                    reasons=[f"exactness not checked: no usable golden outputs ({why})"],
+                    baseline,
+                    said="exactness not checked: no usable golden outputs",
                     workload=workload,
+                    started=started,
                 )
             if golden is None:
                 with ctx.backend(baseline) as base_be:

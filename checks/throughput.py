@@ -466,15 +466,13 @@ class ThroughputGate(Gate):
             if baseline is not None and (settings.baseline_run == "recorded" or ctx.recorded_only):
                 recorded = ctx.baseline_lookup(baseline, "throughput", workload)
             if baseline is not None and recorded is None and ctx.recorded_only:
-                why = ctx.passed_over.get(baseline) or f"{baseline} has none recorded"
-                return self.result(
+                return self.unrecorded(
                     ctx,
                     backend,
-                    started=started,
-                    baseline=baseline,
-                    verdict="skipped",
-                    reasons=[f"throughput not compared: no usable recorded run ({why})"],
+                    baseline,
+                    said="throughput not compared: no usable recorded run",
                     workload=workload,
+                    started=started,
                 )
             if baseline is not None and recorded is not None:
                 base_points = [BenchMetrics.model_validate(p) for p in recorded.payload["points"]]

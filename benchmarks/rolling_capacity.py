@@ -17,10 +17,8 @@ Run (as root: boxes are network namespaces): python benchmarks/rolling_capacity.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import UTC, datetime
@@ -33,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from kdctl.inventory import load_inventory  # noqa: E402
 from kdctl.traffic import SqliteJournal  # noqa: E402
-from tests.support.fleet import rolling_fleet  # noqa: E402
+from tests.support.fleet import bench_model, rolling_fleet  # noqa: E402
 
 
 class Load:
@@ -87,15 +85,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--window", type=float, default=15.0, help="seconds of the full rate")
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("rolling_capacity: boxes are network namespaces, which need root")
-    work = Path(tempfile.mkdtemp(prefix="kdctl-bench-"))
-    model = work / "tiny-deepseek-v3"
-    subprocess.run(
-        [sys.executable, "-m", "kdctl", "reference", "make-model", "--arch", "deepseek_v3",
-         "--out", str(model)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    model = bench_model("rolling_capacity")
     with rolling_fleet(model, tag="bench") as fleet, Load(fleet.front, args.clients) as load:
         time.sleep(3)  # every client going
         full_from = time.time()

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.fleet import rolling_fleet  # noqa: E402
+from tests.support.fleet import bench_model, rolling_fleet  # noqa: E402
 from tests.support.warm import WarmCli  # noqa: E402
 
 BOXES = 16
@@ -59,15 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("status_fleet: boxes are network namespaces, which need root")
-    work = Path(tempfile.mkdtemp(prefix="kdctl-bench-"))
-    model = work / "tiny-deepseek-v3"
-    subprocess.run(
-        [sys.executable, "-m", "kdctl", "reference", "make-model", "--arch", "deepseek_v3",
-         "--out", str(model)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    model = bench_model("status_fleet")
+    work = model.parent
     # Sixteen cold engine starts at once would load two cores for a minute: each engine is a
     # fork of a server that imported torch and the reference server once, as in the tests.
     engines = WarmCli("engine")

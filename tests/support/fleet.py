@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,20 @@ def _service(port: int, name: str, wrap: Callable[[list[str]], list[str]]) -> di
         "pidfile": f"{BOX_DIR}/{name}.pid",
         "log": f"{BOX_DIR}/{name}.log",
     }
+
+
+def bench_model(bench: str) -> Path:
+    """A benchmark's tiny model, made in a folder of its own; the benchmark ends where this
+    machine cannot make boxes (network namespaces need root)."""
+    if os.geteuid() != 0:
+        sys.exit(f"{bench}: boxes are network namespaces, which need root")
+    model = Path(tempfile.mkdtemp(prefix="kdctl-bench-")) / "tiny-deepseek-v3"
+    subprocess.run(
+        [sys.executable, "-m", "kdctl", "reference", "make-model", "--arch", "deepseek_v3",
+         "--out", str(model)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return model
 
 
 def _all_registered(inv: LoadedInventory, names: list[str]) -> None:

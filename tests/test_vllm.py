@@ -302,11 +302,12 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
                             "concurrency": [2],
                             "num_prompts": 6,
                         },
-                        "min_ratio": 0.1,
+                        # What is judged here is where the figures come from, not the
+                        # machine's speed: n-gram drafting on two shared cores has read from
+                        # 0.05x to 0.3x of the plain engine, medians of three runs a side.
+                        "min_ratio": 0.01,
                         # Both engines measured side by side, run after run, the median of
-                        # three each: one run a side, a baseline run at a quiet moment against
-                        # a drafting run on a busy one read 517 against 40 tok/s once, two
-                        # cores shared with the rest of the suite.
+                        # three each.
                         "baseline_run": "interleaved",
                         "repeats": 3,
                     }
@@ -332,6 +333,8 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
     # The plain engine exports no drafting counters: nothing is said of its acceptance.
     (base,) = on_text["details"]["baseline_points"]
     assert base["spec_accept_from"] is None and base["spec_accept_length"] is None
+    ratio = point["output_throughput"] / base["output_throughput"]
+    assert metrics["c2.ratio"] == pytest.approx(ratio, rel=1e-3)
 
     on_ids = gate("random-ids")
     assert on_ids["verdict"] == "inconclusive", on_ids["reasons"]

@@ -7,6 +7,7 @@ is installed, else SGLang's router. Every process is started through a pidfile k
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -80,6 +81,19 @@ def _sglang_python() -> Path:
             "(scripts/bootstrap-sglang installs it, from a checkout of kdctl)"
         )
     return python
+
+
+def _k2_configured(config: Path) -> None:
+    """A sandbox's model made before its config carried K2's fields stops SGLang's DeepSeek
+    path at load (`assert rope_scaling is not None`, its CPU rotary embedding): said here,
+    since remaking it under the sandbox would change the weights its evidence was taken on."""
+    if config.is_file() and "rope_scaling" not in json.loads(config.read_text()):
+        models = config.parent.parent
+        raise InputError(
+            f"--baseline sglang: {config} has no rope_scaling, which SGLang's DeepSeek model "
+            f"needs: it was made by an earlier kdctl; remove {models} (after kdctl sandbox "
+            "down) to have the models made again"
+        )
 
 
 def _sglang_service(root: Path, model: str, port: int) -> dict[str, Any]:
@@ -253,7 +267,9 @@ def up(
     itself; None keeps what a sandbox already up runs."""
     root = root.resolve()
     if baseline == "sglang":
-        _sglang_python()  # refused before anything is made
+        # Both refused before anything is made.
+        _sglang_python()
+        _k2_configured(root / "models" / "tiny-deepseek-v3" / "config.json")
     for sub in ("models", "run", "log", "nginx/tmp", "state"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     existing = root / "inventory.yaml"

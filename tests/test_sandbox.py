@@ -58,6 +58,26 @@ def test_sandbox_with_sglang_as_baseline_where_it_is_not_installed(tmp_path: Pat
     assert "scripts/bootstrap-sglang" in missing.err and not root.exists()
 
 
+def test_sglang_as_baseline_on_a_model_made_before_k2_fields(tmp_path: Path) -> None:
+    """A sandbox whose model an earlier kdctl made, without K2's rope_scaling, which SGLang's
+    DeepSeek path asserts at load: refused, naming the file, nothing started or written."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    (venv / ".complete").touch()
+    root = tmp_path / "sandbox"
+    config = root / "models" / "tiny-deepseek-v3" / "config.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"model_type": "deepseek_v3", "rope_theta": 10000.0}))
+    refused = kdctl(
+        "sandbox", "up", "--dir", str(root), "--baseline", "sglang",
+        env={"KDCTL_SGLANG_VENV": str(venv)},
+    )  # fmt: skip
+    assert refused.code == 2 and "Traceback" not in refused.err, refused.err
+    assert f"{config} has no rope_scaling" in refused.err, refused.err
+    assert sorted(p.name for p in root.iterdir()) == ["models"]
+
+
 def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
     tmp_path: Path, sandbox_models: Path, report: Any
 ) -> None:

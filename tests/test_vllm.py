@@ -284,7 +284,7 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
     records the accept length over each run from the engine's counters, and judges a speed
     measured on random token ids inconclusive."""
 
-    def gate(source: str) -> dict[str, Any]:
+    def gate(source: str, repeats: int) -> dict[str, Any]:
         inv = write_inventory(
             tmp_path / f"{source}.yaml",
             {
@@ -309,7 +309,7 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
                         # Both engines measured side by side, run after run, the median of
                         # three each.
                         "baseline_run": "interleaved",
-                        "repeats": 3,
+                        "repeats": repeats,
                     }
                 },
                 "state_dir": f"state-{source}",
@@ -321,7 +321,7 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
         (result,) = json.loads(run.out)["results"]
         return result
 
-    on_text = gate("auto")
+    on_text = gate("auto", repeats=3)
     assert on_text["verdict"] == "pass", on_text["reasons"]
     assert "drafting decodes speculatively" in on_text["reasons"][0], on_text["reasons"]
     (point,) = on_text["details"]["points"]
@@ -336,7 +336,8 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
     ratio = point["output_throughput"] / base["output_throughput"]
     assert metrics["c2.ratio"] == pytest.approx(ratio, rel=1e-3)
 
-    on_ids = gate("random-ids")
+    # Inconclusive whatever the figures: one run a side says so as well as three.
+    on_ids = gate("random-ids", repeats=1)
     assert on_ids["verdict"] == "inconclusive", on_ids["reasons"]
     said = " ".join(on_ids["reasons"])
     assert "drafting decode speculatively, and the workload is random token ids" in said, said

@@ -58,8 +58,10 @@ class Load:
     # again, sooner than it says, until the deadline; not a lost request.
     retry_draining: bool = False
     # Between one thread's requests: three threads still keep requests in flight through every
-    # transition, and the engines they load share two cores with the rest of the suite.
-    pause_s: float = 0.05
+    # transition (about 23 a second, each thread's in flight a quarter of the time, against a
+    # reference server on an idle machine), at about 0.36 of a core of the engine's, where 0.05
+    # took 0.65 (32 a second): the engines share two cores with the rest of the suite.
+    pause_s: float = 0.1
     sent: int = 0
     retried: int = 0
     failures: list[str] = field(default_factory=list)

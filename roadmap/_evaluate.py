@@ -476,6 +476,22 @@ def _require(c: ResolvedCriterion, result: GateResult) -> tuple[list[Measured], 
     return values, broken
 
 
+def _failed_bars(c: ResolvedCriterion, result: GateResult) -> list[str]:
+    """The result's measured figures that broke the gate's own thresholds."""
+    return [
+        f"{m.name} {m.value} is not {m.comparison} {m.threshold:g}"
+        for m in _scoped(c, result.metrics)
+        if m.passed is False
+    ]
+
+
+def _stricter(c: ResolvedCriterion, bars: list[str]) -> list[str]:
+    """The failed bars on metrics the criterion's requirement judges and finds met: a
+    roadmap asking `ratio >= 0.5` of a gate holding `min_ratio: 0.8`, whose phase could then
+    never be done by its own requirement."""
+    return [b for b in bars if any(fnmatch.fnmatchcase(b.split()[0], p) for p in c.spec.require)]
+
+
 def _newest_match(
     c: ResolvedCriterion, inv: LoadedInventory, store: EvidenceStore
 ) -> GateResult | None:
@@ -595,8 +611,11 @@ def _criterion(
             stale_by=list(stale_by),
         )
     if evidence["verdict"] != "pass":
-        # The summary and the first concrete finding (a divergence, a broken SLO).
-        said = "; ".join(result.reasons[:2])
+        # The figures that failed first, as a lead reads them in one line; then the summary
+        # and the first concrete finding (a divergence, a broken SLO).
+        bars = _failed_bars(c, result)
+        said = "; ".join([*bars[:3], *result.reasons[:2]])
+        stricter = [] if broken or not c.spec.require else _stricter(c, bars)
         return CriterionStatus(
             **base,
             **evidence,
@@ -604,7 +623,13 @@ def _criterion(
             met=False,
             state="fail",
             reason=f"{evidence['verdict']} {age_text(now - result.ended_at)} ago"
-            + (f": {said}" if said else ""),
+            + (f": {said}" if said else "")
+            + (
+                f"; the criterion's requirement holds, the gate's own stricter bar failed "
+                f"({', '.join(stricter)}): set that bar in the criterion's settings"
+                if stricter
+                else ""
+            ),
             findings=result.reasons[:20],
         )
     if broken:

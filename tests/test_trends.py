@@ -250,6 +250,23 @@ def test_falling_away_gives_no_date(tmp_path: Path) -> None:
     assert "moving away" in answers["cutover"]["soon"]["detail"]
 
 
+def test_a_gate_bar_stricter_than_the_requirement_is_named(tmp_path: Path) -> None:
+    """The criterion asks a ratio of 0.5, the gate's own bar held 1.0: the result failed at
+    0.7, which the requirement would pass. Not met, and said why, with the way out."""
+    inv = _setup(tmp_path, [(1, 0.7, "b1")], require=">= 0.5")
+    c, _ = _criterion(inv)
+    assert (c["met"], c["state"]) == (False, "fail"), c
+    assert [v["ok"] for v in c["values"]] == [True], c["values"]
+    assert "the gate's own stricter bar failed (c8.ratio 0.7 is not >= 1)" in c["reason"], c
+    # A requirement the value breaks too says nothing of the gate's bar.
+    (tmp_path / "both").mkdir()
+    inv = _setup(tmp_path / "both", [(1, 0.4, "b1")], require=">= 0.5")
+    c, _ = _criterion(inv)
+    assert c["state"] == "fail" and "stricter bar" not in c["reason"], c
+    # Either way the figure that failed comes first, as answer 3 and a refusal quote it.
+    assert c["reason"].split(" ago: ")[1].startswith("c8.ratio 0.4 is not >= 1"), c
+
+
 def test_no_date_from_points_minutes_apart(tmp_path: Path) -> None:
     """Three runs minutes apart put 1.0 a quarter of an hour away: noise, not a trend."""
     inv = _setup(tmp_path, [(0.003, 0.82, "b1"), (0.002, 0.83, "b1"), (0.001, 0.84, "b1")])

@@ -304,7 +304,7 @@ def _the_canary_and_its_rollback(out: str, codes: dict[str, int]) -> None:
         r"2\. Phases remaining \(1\): int4 \(forecast \d{4}-\d\d-\d\d, dated back\)\.", out
     )
     # The row wraps in a terminal table; its cells hold the words.
-    assert re.search(r"promotion:candidate │ fail [\s\S]{0,800}?rolled back to", out)
+    assert re.search(r"promotion:candidate │ fail [\s\S]{0,800}?rolled[\s│]+back[\s│]+to", out)
     assert "rolled back: the router sends {'baseline': 100}" in out
     probe = re.search(r"probe load: (\d+) requests, (\d+) failed", out)
     assert probe and int(probe.group(1)) > 0 and probe.group(2) == "0", out[-2000:]

@@ -476,20 +476,20 @@ def _require(c: ResolvedCriterion, result: GateResult) -> tuple[list[Measured], 
     return values, broken
 
 
-def _failed_bars(c: ResolvedCriterion, result: GateResult) -> list[str]:
+def _failed_bars(c: ResolvedCriterion, result: GateResult) -> list[Metric]:
     """The result's measured figures that broke the gate's own thresholds."""
-    return [
-        f"{m.name} {m.value} is not {m.comparison} {m.threshold:g}"
-        for m in _scoped(c, result.metrics)
-        if m.passed is False
-    ]
+    return [m for m in _scoped(c, result.metrics) if m.passed is False]
 
 
-def _stricter(c: ResolvedCriterion, bars: list[str]) -> list[str]:
+def _stricter(c: ResolvedCriterion, bars: list[Metric]) -> list[Metric]:
     """The failed bars on metrics the criterion's requirement judges and finds met: a
     roadmap asking `ratio >= 0.5` of a gate holding `min_ratio: 0.8`, whose phase could then
     never be done by its own requirement."""
-    return [b for b in bars if any(fnmatch.fnmatchcase(b.split()[0], p) for p in c.spec.require)]
+    return [m for m in bars if any(fnmatch.fnmatchcase(m.name, p) for p in c.spec.require)]
+
+
+def _broke(m: Metric) -> str:
+    return f"{m.name} {m.value} is not {m.comparison} {m.threshold:g}"
 
 
 def _newest_match(
@@ -614,7 +614,7 @@ def _criterion(
         # The figures that failed first, as a lead reads them in one line; then the summary
         # and the first concrete finding (a divergence, a broken SLO).
         bars = _failed_bars(c, result)
-        said = "; ".join([*bars[:3], *result.reasons[:2]])
+        said = "; ".join([*map(_broke, bars[:3]), *result.reasons[:2]])
         stricter = [] if broken or not c.spec.require else _stricter(c, bars)
         return CriterionStatus(
             **base,
@@ -626,7 +626,7 @@ def _criterion(
             + (f": {said}" if said else "")
             + (
                 f"; the criterion's requirement holds, the gate's own stricter bar failed "
-                f"({', '.join(stricter)}): set that bar in the criterion's settings"
+                f"({', '.join(map(_broke, stricter))}): set that bar in the criterion's settings"
                 if stricter
                 else ""
             ),

@@ -118,7 +118,14 @@ def rolling_fleet(
             boxes.append(make_box(root / f"b{i}", f"rl{i}{tag}"[:9], mounts=mounts))
         port = free_port()
         data: dict[str, Any] = {
-            "hosts": {n: b.host_entry(user="root") for n, b in zip(names, boxes, strict=True)},
+            # Each box's engines are reached directly, every run: under `auto` one direct
+            # connect that failed on the loaded machine sent a smoke throughput run through
+            # the SSH tunnel, and against the replaced replica's run recorded directly it was
+            # inconclusive (two paths), which paused a rollout.
+            "hosts": {
+                n: b.host_entry(user="root", http="direct")
+                for n, b in zip(names, boxes, strict=True)
+            },
             "groups": {"boxes": names},
             "backends": {
                 pool: {

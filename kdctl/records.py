@@ -93,6 +93,11 @@ def decide(
     return "pass"
 
 
+def not_met(m: Metric) -> str:
+    """A threshold the metric's value breaks, in the words every gate uses."""
+    return f"{m.name} {m.value} is not {m.comparison} {m.threshold:g}"
+
+
 def not_measured(m: Metric) -> str:
     """Why a threshold went unjudged, in the words every gate uses."""
     return f"{m.name} was not measured: '{m.comparison} {m.threshold:g}' could not be judged"

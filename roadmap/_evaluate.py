@@ -23,7 +23,7 @@ from kdctl.checks import (
 from kdctl.evidence import EvidenceStore, FrontNow, age_text, currency
 from kdctl.inventory import LoadedInventory
 from kdctl.inventory.models import parse_duration, parse_threshold
-from kdctl.records import GateResult, Metric, utcnow
+from kdctl.records import GateResult, Metric, not_met, utcnow
 from kdctl.roadmap._estimate import Estimate, PhasePlan, critical_path, late
 from kdctl.roadmap._load import ResolvedCriterion, Roadmap
 from kdctl.roadmap._trend import Trend, requirements, trend_of
@@ -458,10 +458,11 @@ def _require(c: ResolvedCriterion, result: GateResult) -> tuple[list[Measured], 
             broken.append(f"{pattern} was not measured")
             values.append(Measured(metric=pattern, value=None, threshold=text.strip(), ok=False))
         for m in found:
-            ok = Metric(name=m.name, value=m.value, threshold=limit, comparison=op).passed is True
+            held = Metric(name=m.name, value=m.value, threshold=limit, comparison=op)
+            ok = held.passed is True
             values.append(Measured(metric=m.name, value=m.value, threshold=text.strip(), ok=ok))
             if not ok:
-                broken.append(f"{m.name} {m.value} is not {op} {limit:g}")
+                broken.append(not_met(held))
     if not c.spec.require:
         for m in metrics:
             if m.comparison is not None:
@@ -486,10 +487,6 @@ def _stricter(c: ResolvedCriterion, bars: list[Metric]) -> list[Metric]:
     roadmap asking `ratio >= 0.5` of a gate holding `min_ratio: 0.8`, whose phase could then
     never be done by its own requirement."""
     return [m for m in bars if any(fnmatch.fnmatchcase(m.name, p) for p in c.spec.require)]
-
-
-def _broke(m: Metric) -> str:
-    return f"{m.name} {m.value} is not {m.comparison} {m.threshold:g}"
 
 
 def _newest_match(
@@ -614,7 +611,7 @@ def _criterion(
         # The figures that failed first, as a lead reads them in one line; then the summary
         # and the first concrete finding (a divergence, a broken SLO).
         bars = _failed_bars(c, result)
-        said = "; ".join([*map(_broke, bars[:3]), *result.reasons[:2]])
+        said = "; ".join([*map(not_met, bars[:3]), *result.reasons[:2]])
         stricter = [] if broken or not c.spec.require else _stricter(c, bars)
         return CriterionStatus(
             **base,
@@ -626,7 +623,7 @@ def _criterion(
             + (f": {said}" if said else "")
             + (
                 f"; the criterion's requirement holds, the gate's own stricter bar failed "
-                f"({', '.join(map(_broke, stricter))}): set that bar in the criterion's settings"
+                f"({', '.join(map(not_met, stricter))}): set that bar in the criterion's settings"
                 if stricter
                 else ""
             ),

@@ -191,27 +191,27 @@ def headroom(
                 usage[name] = load.token_usage
     left = [m for m in members if m not in out]
     capacity = 0
+    # A replica's capacity, once per pool: a measured peak reads the pool's evidence.
+    per_pool: dict[str, int] = {}
     by: dict[str, str] = {}
-    peaks: dict[str, tuple[int, str] | None] = {}
     for name in left:
         pool = inv.pool_of(name) or name
-        spec = inv.spec.backends.get(pool)
-        per = spec.capacity_per_replica if isinstance(spec, PoolSpec) else None
-        if per is None and store is not None and pool not in peaks:
-            peaks[pool] = measured_peak(inv, store, session, pool)
-        peak = peaks.get(pool)
-        if per is not None:
-            by.setdefault(pool, f"{pool}: {per} a replica by its capacity_per_replica")
-        elif peak is not None:
-            per = peak[0]
-            by.setdefault(pool, f"{pool}: {per} a replica, measured ({peak[1]})")
-        else:
-            return (
-                f"load {sum(loads.values()):g} requests on {len(loads)} engines; headroom not "
-                f"judged: {name}'s pool sets no capacity_per_replica and has no recorded "
-                "throughput run to measure it by"
-            )
-        capacity += per
+        if pool not in per_pool:
+            spec = inv.spec.backends.get(pool)
+            per = spec.capacity_per_replica if isinstance(spec, PoolSpec) else None
+            if per is not None:
+                by[pool] = f"{pool}: {per} a replica by its capacity_per_replica"
+            elif store is not None and (peak := measured_peak(inv, store, session, pool)):
+                per = peak[0]
+                by[pool] = f"{pool}: {per} a replica, measured ({peak[1]})"
+            else:
+                return (
+                    f"load {sum(loads.values()):g} requests on {len(loads)} engines; headroom "
+                    f"not judged: {name}'s pool sets no capacity_per_replica and has no "
+                    "recorded throughput run to measure it by"
+                )
+            per_pool[pool] = per
+        capacity += per_pool[pool]
     if unread:
         raise HeadroomRefused(
             f"headroom: the load of {', '.join(unread)} cannot be read from its metrics, so "

@@ -269,7 +269,7 @@ def up(
     if baseline == "sglang":
         # Both refused before anything is made.
         _sglang_python()
-        _k2_configured(root / "models" / "tiny-deepseek-v3" / "config.json")
+        _k2_configured(root / "models" / ENGINES["baseline"][1] / "config.json")
     for sub in ("models", "run", "log", "nginx/tmp", "state"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     existing = root / "inventory.yaml"

@@ -111,7 +111,8 @@ def _tight(fleet: Fleet, tmp_path: Path) -> str:
 
 @contextlib.contextmanager
 def _one_long_request_each(inv: str, engines: list[str]) -> Iterator[None]:
-    """A long generation running on each engine (its first token seen) while the body runs."""
+    """A long generation running on each engine (its first token seen) while the body runs,
+    then left: the client goes away, as clients do, and the engine stops generating for it."""
     import threading
 
     import httpx
@@ -124,6 +125,7 @@ def _one_long_request_each(inv: str, engines: list[str]) -> Iterator[None]:
         "stream": True,
     }
     started = threading.Barrier(len(urls) + 1, timeout=60)
+    leave = threading.Event()
 
     def generate(url: str | None) -> None:
         with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
@@ -131,7 +133,8 @@ def _one_long_request_each(inv: str, engines: list[str]) -> Iterator[None]:
             next(lines)  # the first token: running now
             started.wait()
             for _ in lines:
-                pass
+                if leave.is_set():
+                    break
 
     threads = [threading.Thread(target=generate, args=(u,), daemon=True) for u in urls]
     for t in threads:
@@ -140,6 +143,7 @@ def _one_long_request_each(inv: str, engines: list[str]) -> Iterator[None]:
     try:
         yield
     finally:
+        leave.set()
         for t in threads:
             t.join(120)
 

@@ -798,6 +798,14 @@ def sandbox_up(
             "keeps its own]",
         ),
     ] = None,
+    port_offset: Annotated[
+        int | None,
+        typer.Option(
+            "--port-offset",
+            help="Added to every port the sandbox binds (front :8000, engines :30000, :31000, "
+            ":31001, :31002). [default: 0; a sandbox already up keeps its own]",
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Make the models and start the engines and the router, reusing whatever already runs."""
@@ -805,7 +813,13 @@ def sandbox_up(
     from kdctl.tables import progress_bars
 
     with progress_bars(err, not json_) as progress:
-        st = up(dir_, router_choice=router, baseline=baseline, progress=progress)
+        st = up(
+            dir_,
+            router_choice=router,
+            baseline=baseline,
+            port_offset=port_offset,
+            progress=progress,
+        )
     _sandbox_out(st, json_)
 
 

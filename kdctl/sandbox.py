@@ -57,6 +57,11 @@ SPECULATIVE = {"candidate"}
 # is its own timings of batch runs, compared with the baseline's served run of the prompts.
 BATCH_ENGINE = "candidate-batch"
 FRONT_PORT = 8000
+# SGLang's router's Prometheus port, where it is the front.
+ROUTER_METRICS_PORT = 29100
+# Every port above moved by `up --port-offset`: a sandbox beside another one, or beside an
+# SGLang already on :30000 (its default port), without editing anything.
+MAX_PORT_OFFSET = 65535 - max(HISTORY_PORT, *(port for _, _, port in ENGINES.values()))
 # Where scripts/bootstrap-sglang installs SGLang's CPU build, and the stand-in for its CUDA
 # kernel package that it runs with (scripts/sglang_cpu: also routes its CPU prefill of a
 # DeepSeek model through its own MLA path; docs/sglang-compatibility.md says why).
@@ -167,12 +172,16 @@ def _router_kind() -> Literal["nginx", "sglang-router"]:
     return "sglang-router"
 
 
-def _inventory(root: Path, router: str, baseline: BaselineChoice = "reference") -> dict[str, Any]:
-    """The top-level inventory.yaml's setup, with the absolute paths of this folder."""
+def _inventory(
+    root: Path, router: str, baseline: BaselineChoice = "reference", offset: int = 0
+) -> dict[str, Any]:
+    """The top-level inventory.yaml's setup, with the absolute paths of this folder and every
+    port moved by `offset`."""
     shipped = Path(__file__).resolve().parent.parent / "inventory.yaml"
     base: dict[str, Any] = yaml.safe_load(shipped.read_text()) if shipped.is_file() else {}
     backends = {}
-    for name, (kind, model, port) in ENGINES.items():
+    for name, (kind, model, default_port) in ENGINES.items():
+        port = default_port + offset
         spec: dict[str, Any] = {
             "kind": kind,
             "host": "local",
@@ -213,7 +222,7 @@ def _inventory(root: Path, router: str, baseline: BaselineChoice = "reference") 
     router_spec: dict[str, Any] = {
         "kind": router,
         "host": "local",
-        "listen": f"127.0.0.1:{FRONT_PORT}",
+        "listen": f"127.0.0.1:{FRONT_PORT + offset}",
         "serving": "baseline",
     }
     if router == "nginx":
@@ -256,16 +265,28 @@ def _baseline_of(inventory: dict[str, Any]) -> BaselineChoice:
     return "sglang" if "sglang.launch_server" in command else "reference"
 
 
+def _offset_of(inventory: dict[str, Any]) -> int:
+    """The port offset a sandbox's inventory was written with, read off its front."""
+    return int(str(inventory["router"]["listen"]).rpartition(":")[2]) - FRONT_PORT
+
+
 def up(
     root: Path,
     *,
     router_choice: RouterChoice = "auto",
     baseline: BaselineChoice | None = None,
+    port_offset: int | None = None,
     progress: Any = None,
 ) -> SandboxStatus:
     """`baseline`: what serves as `baseline`, kdctl's reference server (the default) or SGLang
-    itself; None keeps what a sandbox already up runs."""
+    itself; `port_offset`: added to every port the sandbox binds (default 0). None keeps what a
+    sandbox already up has."""
     root = root.resolve()
+    if port_offset is not None and not 0 <= port_offset <= MAX_PORT_OFFSET:
+        raise InputError(
+            f"--port-offset {port_offset}: must be 0 to {MAX_PORT_OFFSET}, so that the "
+            f"sandbox's highest port, {HISTORY_PORT}, moved by it is still a port"
+        )
     if baseline == "sglang":
         # Both refused before anything is made.
         _sglang_python()
@@ -289,10 +310,17 @@ def up(
                 f"{root} first"
             )
         baseline = running
+        ports = _offset_of(old)
+        if port_offset not in (None, ports):
+            raise InputError(
+                f"{root} already runs with --port-offset {ports}; kdctl sandbox down --dir "
+                f"{root} first"
+            )
+        port_offset = ports
     else:
         router = _router_kind() if router_choice == "auto" else router_choice
     inv_path = root / "inventory.yaml"
-    written = _inventory(root, router, baseline or "reference")
+    written = _inventory(root, router, baseline or "reference", port_offset or 0)
     inv_path.write_text(yaml.safe_dump(written, sort_keys=False))
     make_models(root, progress)
     inv = load_inventory(inv_path)
@@ -311,7 +339,7 @@ def up(
             control.wait_ready(deadline_s=600)
         if progress:
             progress("engines ready", len(controls), len(controls))
-        _start_router(inv, root, router, pool)
+        _start_router(inv, root, router, pool, port_offset or 0)
     return status(root)
 
 
@@ -338,7 +366,10 @@ def make_models(root: Path, progress: Any = None) -> None:
         progress("models", len(steps), len(steps))
 
 
-def _start_router(inv: LoadedInventory, root: Path, router: str, pool: TransportPool) -> None:
+def _start_router(
+    inv: LoadedInventory, root: Path, router: str, pool: TransportPool, offset: int
+) -> None:
+    front = FRONT_PORT + offset
     if router == "nginx":
         from kdctl.traffic.nginx import NginxRouter
 
@@ -360,21 +391,25 @@ def _start_router(inv: LoadedInventory, root: Path, router: str, pool: Transport
         if run.returncode != 0:
             raise InfraError(f"nginx did not start: {run.stderr.strip()[-400:]}")
         # Through the front to the baseline, which is ready by now.
-        wait_http(f"http://127.0.0.1:{FRONT_PORT}/health", deadline_s=60)
+        wait_http(f"http://127.0.0.1:{front}/health", deadline_s=60)
     else:
         pidfile = root / "run" / "router.pid"
         if _alive(_pid(pidfile)):
             return
         log = (root / "log" / "router.log").open("ab")
         proc = subprocess.Popen(
-            router_argv(FRONT_PORT, ["http://127.0.0.1:30000"], prometheus_port=29100),
+            router_argv(
+                front,
+                [inv.backends["baseline"].url or ""],
+                prometheus_port=ROUTER_METRICS_PORT + offset,
+            ),
             stdout=log,
             stderr=log,
             start_new_session=True,
         )
         pidfile.write_text(f"{proc.pid}\n")
         wait_http(
-            f"http://127.0.0.1:{FRONT_PORT}/readiness",
+            f"http://127.0.0.1:{front}/readiness",
             deadline_s=60,
             proc=proc,
             log=root / "log" / "router.log",
@@ -393,18 +428,17 @@ def status(root: Path) -> SandboxStatus:
         raise InputError(f"{root}: no sandbox here (kdctl sandbox up --dir {root})")
     data = yaml.safe_load(inv_path.read_text())
     procs = []
-    for name, (_, _, port) in ENGINES.items():
+    for name in ENGINES:
         pid = _pid(root / "run" / f"{name}.pid")
-        procs.append(
-            ProcessState(name=name, pid=pid, running=_alive(pid), url=f"http://127.0.0.1:{port}")
-        )
+        url = data["backends"][name]["url"]
+        procs.append(ProcessState(name=name, pid=pid, running=_alive(pid), url=url))
     pid = _pid(_router_pidfile(root))
     procs.append(
         ProcessState(
             name=data["router"]["kind"],
             pid=pid,
             running=_alive(pid),
-            url=f"http://127.0.0.1:{FRONT_PORT}",
+            url=f"http://{data['router']['listen']}",
         )
     )
     return SandboxStatus(
@@ -542,8 +576,9 @@ def _measure_build(
     """An earlier build served on a spare port under candidate-int4's name, measured into a
     store of its own (its results are dated back before they join the sandbox's)."""
     doc = yaml.safe_load((root / "inventory.yaml").read_text())
+    port = HISTORY_PORT + _offset_of(doc)
     spec = doc["backends"]["candidate-int4"]
-    spec["url"] = f"http://127.0.0.1:{HISTORY_PORT}"
+    spec["url"] = f"http://127.0.0.1:{port}"
     spec["model"] = str(model)
     spec.pop("service", None)
     doc["state_dir"] = str(work / f"state-g{group}")
@@ -553,13 +588,13 @@ def _measure_build(
     log = work / f"serve-g{group}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            serve_argv(model, HISTORY_PORT, served_name=model.name),
+            serve_argv(model, port, served_name=model.name),
             stdout=fh,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        wait_http(f"http://127.0.0.1:{HISTORY_PORT}/health", deadline_s=300, proc=proc, log=log)
+        wait_http(f"http://127.0.0.1:{port}/health", deadline_s=300, proc=proc, log=log)
         with SqliteStore(inv.state_dir / DB_NAME) as own:
             return _run(inv, gate, settings, own)
     finally:

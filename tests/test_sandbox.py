@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,29 +12,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, kdctl, need_module, need_sglang_router
+from tests.conftest import REPO, kdctl, need_module
+from tests.support.sandbox import sandbox_dir, sandbox_models_of
 
 need_module("torch", "reference")
 
 
-@pytest.fixture(scope="module")
-def sandbox_models(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path]) -> Path:
-    """The sandbox's models, made once for this file by the sandbox's own maker (from the run's
-    shared tiny model and draft, which are the sandbox's to the byte); each test's sandbox
-    starts from a copy, which `up` reuses as it reuses what is already there."""
-    from kdctl.sandbox import make_models
-
-    root = tmp_path_factory.mktemp("sandbox-models") / "sandbox"
-    for key in ("dsv3", "dsv3-draft"):
-        shutil.copytree(models[key], root / "models" / models[key].name)
-    make_models(root, None)
-    return root / "models"
-
-
-def _sandbox_dir(tmp_path: Path, models: Path) -> Path:
-    root = tmp_path / "sandbox"
-    shutil.copytree(models, root / "models")
-    return root
+sandbox_models = pytest.fixture(scope="module", name="sandbox_models")(sandbox_models_of)
 
 
 def _alive(pid: int) -> bool:
@@ -58,6 +41,14 @@ def test_sandbox_with_sglang_as_baseline_where_it_is_not_installed(tmp_path: Pat
     assert "scripts/bootstrap-sglang" in missing.err and not root.exists()
 
 
+def test_a_port_offset_past_the_last_port_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "sandbox"
+    refused = kdctl("sandbox", "up", "--dir", str(root), "--port-offset", "34534")
+    assert refused.code == 2 and "Traceback" not in refused.err, refused.err
+    assert "--port-offset 34534: must be 0 to 34533" in refused.err, refused.err
+    assert not root.exists()
+
+
 def test_sglang_as_baseline_on_a_model_made_before_k2_fields(tmp_path: Path) -> None:
     """A sandbox whose model an earlier kdctl made, without K2's rope_scaling, which SGLang's
     DeepSeek path asserts at load: refused, naming the file, nothing started or written."""
@@ -76,90 +67,6 @@ def test_sglang_as_baseline_on_a_model_made_before_k2_fields(tmp_path: Path) -> 
     assert refused.code == 2 and "Traceback" not in refused.err, refused.err
     assert f"{config} has no rope_scaling" in refused.err, refused.err
     assert sorted(p.name for p in root.iterdir()) == ["models"]
-
-
-def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
-    tmp_path: Path, sandbox_models: Path, report: Any
-) -> None:
-    """`--baseline sglang`: SGLang 0.5.23 itself (its CPU build) serves as baseline on the
-    sandbox's K2-configured weights, SGLang's router in front (which has no weights, so the
-    cutover is blue-green). The baseline's golden outputs are recorded from SGLang, the
-    candidate is held to them and meets strict exactness, and speaks SGLang's API as SGLang
-    answered it; it is cut over to and rolled back under a load through the router: every
-    request answered; the report then names the baseline serving."""
-    from kdctl.sandbox import SGLANG_VERSION, sglang_venv
-    from tests.conftest import need_engine
-    from tests.support.traffic import Load
-
-    need_sglang_router()
-    need_engine(sglang_venv() / "bin" / "python", "scripts/bootstrap-sglang")
-    root = _sandbox_dir(tmp_path, sandbox_models)
-    up = kdctl(
-        "sandbox", "up", "--dir", str(root), "--router", "sglang-router", "--baseline", "sglang",
-        "--json", timeout=900,
-    )  # fmt: skip
-    try:
-        assert up.code == 0, up.out + up.err
-        assert json.loads(up.out)["router"] == "sglang-router"
-        inv = str(root / "inventory.yaml")
-        status = json.loads(kdctl("status", "-i", inv, "--json").out)
-        engines = {b["name"]: b for b in status["backends"]}
-        assert engines["baseline"]["version"] == SGLANG_VERSION, engines["baseline"]
-        recorded = kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", inv)
-        assert recorded.code == 0, recorded.out + recorded.err
-        gate = kdctl(
-            "gate", "run", "exactness", "-b", "candidate", "--baseline", "baseline",
-            "-i", inv, "--json", timeout=300,
-        )  # fmt: skip
-        result = json.loads(gate.out)["results"][0]
-        # The sandbox's exactness is strict: every prompt token for token.
-        assert result["settings"]["mode"] == "strict", result["settings"]
-        assert result["verdict"] == "pass", result["reasons"]
-        assert "golden outputs recorded" in result["reasons"][0], result["reasons"]
-        # Served against SGLang itself, the native engine speaks its API as of its release.
-        api = kdctl(
-            "gate", "run", "api-conformance", "-b", "candidate", "--baseline", "baseline",
-            "-i", inv, "--json", timeout=300,
-        )  # fmt: skip
-        conformance = json.loads(api.out)["results"][0]
-        assert conformance["verdict"] == "pass", conformance["reasons"]
-        plan = kdctl("cutover", "--to", "candidate", "--dry-run", "-i", inv)
-        assert "plan: blue-green" in plan.out, plan.out + plan.err
-        with Load("http://127.0.0.1:8000") as load:
-            run = kdctl(
-                "cutover", "--to", "candidate", "--force", "--yes", "-i", inv, "--json",
-                timeout=300,
-            )  # fmt: skip
-        assert run.code == 0, run.out + run.err
-        assert json.loads(run.out)["router"]["weights"] == {"candidate": 100}
-        assert load.sent > 0 and load.failures == [], load.failures[:5]
-        status = kdctl("status", "-i", inv, "--json")
-        serving = json.loads(status.out)["answers"]["serving"]
-        # SGLang's router names no backend per answer: its one worker, healthy directly.
-        assert (serving["state"], serving["answered"], serving["backend"]) == (
-            "serving",
-            True,
-            "candidate",
-        )
-        with Load("http://127.0.0.1:8000") as back_load:
-            back = kdctl("rollback", "--yes", "-i", inv, timeout=300)
-        assert back.code == 0, back.out + back.err
-        assert back_load.failures == [], back_load.failures[:5]
-        # The report says so too: the baseline, SGLang, serving again.
-        made = kdctl("report", "-f", "markdown,json", "-o", str(tmp_path / "report"), "-i", inv)
-        assert made.code in (0, 1), made.out + made.err
-        shown = json.loads((tmp_path / "report" / "report.json").read_text())
-        assert shown["answers"]["serving"]["backend"] == "baseline", shown["answers"]
-    finally:
-        down = kdctl("sandbox", "down", "--dir", str(root), "--json")
-    assert down.code == 0 and not any(p["running"] for p in json.loads(down.out)["processes"])
-    metrics = {m["name"]: m["value"] for m in result["metrics"]}
-    report(
-        f"sandbox with SGLang {SGLANG_VERSION} itself as baseline: the candidate strict-exact "
-        f"against SGLang's golden outputs ({metrics['exact_prompts']:g}/{metrics['prompts']:g} "
-        f"prompts, mean top-5 logprob difference {metrics['mean_top_logprob_diff']:.4f}); cut "
-        f"over and back under {load.sent + back_load.sent} requests, 0 failed"
-    )
 
 
 def _up_reused_and_read(root: Path) -> dict[str, int]:
@@ -191,13 +98,12 @@ def _up_reused_and_read(root: Path) -> dict[str, int]:
 
 
 # The README's first command, end to end: the demo's story on the sandbox, its outputs
-# checked. In this file because it binds the sandbox's fixed ports too (one test worker runs
-# a file). The sandbox it tells the story on is brought up first and reused by the demo's own
+# checked. The sandbox it tells the story on is brought up first and reused by the demo's own
 # `up`, and its `down` leaves no process behind.
 def test_the_demo_tells_the_whole_story(
     tmp_path: Path, need_nginx: str, sandbox_models: Path, report: Any
 ) -> None:
-    sandbox = _sandbox_dir(tmp_path, sandbox_models)
+    sandbox = sandbox_dir(tmp_path, sandbox_models)
     try:
         pids = _up_reused_and_read(sandbox)
     except BaseException:

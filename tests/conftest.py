@@ -399,7 +399,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 # 278, 224, 150, 146, 132, 131, 110, 108, 102, 102, 84, 74, 62.
 _LONGEST_FIRST = (
     "test_sandbox.py",
+    "test_sandbox_sglang.py",
     "test_rolling.py",
+    "test_rolling_stops.py",
     "test_vllm.py",
     "test_phases.py",
     "test_serving.py",

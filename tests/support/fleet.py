@@ -2,7 +2,7 @@
 each seeing a folder of its own at BOX_DIR, where two engines of kdctl's reference server, an
 old pool's and a new pool's, cannot run at once: each holds the box's GPU stand-in, a lock the
 other's start needs (flock -n), as an engine holds its GPUs. kdctl starts them through the box's
-SSH login; SGLang's router fronts the old pool. What tests/test_rolling.py and
+SSH login; SGLang's router fronts the old pool. What tests/test_rolling*.py and
 benchmarks/rolling_capacity.py run."""
 
 from __future__ import annotations
@@ -194,3 +194,29 @@ def rolling_fleet(
         for box in boxes:
             box.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def four_boxes(models: dict[str, Path]) -> Iterator[Fleet]:
+    """A test module's fleet (`fleet = pytest.fixture(scope="module", name="fleet")(four_boxes)`):
+    four boxes running the old engine, SGLang's router in front of the four, the boxes' engines
+    forks of the test worker's warm engine server."""
+    import pytest
+
+    from tests.conftest import need_sglang_router, warm_argv
+
+    if os.geteuid() != 0:
+        pytest.skip("a network namespace needs root")
+    need_sglang_router()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with rolling_fleet(models["dsv3"], tag=worker, wrap=warm_argv) as fleet:
+        yield fleet
+
+
+def router_serves(fleet: Fleet) -> list[str]:
+    """The replicas the fleet's router sends to, as it says when read."""
+    from kdctl.traffic import make_router
+    from kdctl.transports import TransportPool
+
+    inv = load_inventory(fleet.inventory)
+    with TransportPool(inv) as pool:
+        return make_router(inv, pool).read().serving

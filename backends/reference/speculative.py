@@ -102,7 +102,7 @@ class SpeculativeEngine(ReferenceEngine):
         stops = self.stops_of(req)
         out: list[int] = []
         lps: list[TokenLogprob] = []
-        with self.lock, torch.no_grad():
+        with self.lock, torch.inference_mode():
             logits, past = self.forward(torch.tensor([prompt], device=self.device), None)
             token = int(torch.argmax(logits[-1]))
             lps.append(token_logprob(logits[-1], token, req.top_logprobs))
@@ -116,7 +116,7 @@ class SpeculativeEngine(ReferenceEngine):
             seq = prompt + out
             fed = len(seq) - 1  # the target's cache holds all but the newest token
             k = min(self.draft_tokens, req.max_new_tokens - len(out) - 1)
-            with self.lock, torch.no_grad():
+            with self.lock, torch.inference_mode():
                 proposals, draft_past, drafted = self._propose(seq, draft_past, drafted, k)
                 ids = torch.tensor([[seq[-1], *proposals]], device=self.device)
                 logits, past = self.forward(ids, past)

@@ -157,6 +157,10 @@ def test_the_demo_tells_the_whole_story(
     # The INT4 builds improve more slowly each week: a forecast from the newest, no regression.
     assert re.search(r"int4 \(forecast \d{4}-\d\d-\d\d, dated back\)", out), out[:3000]
     assert "Regressions:" not in out and "REGRESSION" not in out, out[:3000]
+    # The plan's own estimates give a date where no trend does, labelled as such.
+    assert re.search(
+        r"Estimate: estimate \d{4}-\d\d-\d\d \(critical path: serving 5m, throughput 15m\)", out
+    ), out[:3000]
     # Phases first done minutes apart give no pace a week.
     assert "phases a week" not in out
     assert re.search(r"pace: too early to tell \(\d phases first done within", out), out[-6000:]

@@ -270,6 +270,13 @@ def _offset_of(inventory: dict[str, Any]) -> int:
     return int(str(inventory["router"]["listen"]).rpartition(":")[2]) - FRONT_PORT
 
 
+def _keeps(root: Path, asked: object, running: object, said: str) -> None:
+    """A second `up` reuses the sandbox as it runs: another router, baseline or ports would
+    change them under running engines."""
+    if asked is not None and asked != running:
+        raise InputError(f"{root} already runs {said}; kdctl sandbox down --dir {root} first")
+
+
 def up(
     root: Path,
     *,
@@ -299,24 +306,11 @@ def up(
         # running engines.
         old = yaml.safe_load(existing.read_text())
         router = old["router"]["kind"]
-        if router_choice not in ("auto", router):
-            raise InputError(
-                f"{root} already runs with {router}; kdctl sandbox down --dir {root} first"
-            )
-        running = _baseline_of(old)
-        if baseline not in (None, running):
-            raise InputError(
-                f"{root} already runs {running} as its baseline; kdctl sandbox down --dir "
-                f"{root} first"
-            )
-        baseline = running
-        ports = _offset_of(old)
-        if port_offset not in (None, ports):
-            raise InputError(
-                f"{root} already runs with --port-offset {ports}; kdctl sandbox down --dir "
-                f"{root} first"
-            )
-        port_offset = ports
+        _keeps(root, None if router_choice == "auto" else router_choice, router, f"with {router}")
+        running, ports = _baseline_of(old), _offset_of(old)
+        _keeps(root, baseline, running, f"{running} as its baseline")
+        _keeps(root, port_offset, ports, f"with --port-offset {ports}")
+        baseline, port_offset = running, ports
     else:
         router = _router_kind() if router_choice == "auto" else router_choice
     inv_path = root / "inventory.yaml"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.conftest import REPO, kdctl, need_module
 from tests.support.sandbox import sandbox_dir, sandbox_models_of
@@ -47,6 +48,26 @@ def test_a_port_offset_past_the_last_port_is_refused(tmp_path: Path) -> None:
     assert refused.code == 2 and "Traceback" not in refused.err, refused.err
     assert "--port-offset 34534: must be 0 to 34533" in refused.err, refused.err
     assert not root.exists()
+
+
+def test_a_second_up_keeps_the_router_and_ports_it_runs_with(tmp_path: Path) -> None:
+    """Refused before anything starts, naming what runs: another router or port offset would
+    change them under running engines."""
+    from kdctl.sandbox import _inventory
+
+    root = tmp_path / "sandbox"
+    root.mkdir()
+    written = yaml.safe_dump(_inventory(root, "nginx", offset=3), sort_keys=False)
+    (root / "inventory.yaml").write_text(written)
+    for flags, said in (
+        (["--router", "sglang-router"], "already runs with nginx;"),
+        (["--port-offset", "0"], "already runs with --port-offset 3;"),
+    ):
+        refused = kdctl("sandbox", "up", "--dir", str(root), *flags)
+        assert refused.code == 2 and said in refused.err, refused.err
+        assert "Traceback" not in refused.err
+    assert (root / "inventory.yaml").read_text() == written
+    assert not (root / "models").exists() or not any((root / "models").iterdir())
 
 
 def test_sglang_as_baseline_on_a_model_made_before_k2_fields(tmp_path: Path) -> None:

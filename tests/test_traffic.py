@@ -535,3 +535,32 @@ def test_a_ttft_slo_under_the_engines_first_bucket_is_left_to_the_probes(
     ms, note, breach = engine_ttft(slow, "p99", 300)
     assert ms is not None and 400 < ms <= 600 and not note
     assert breach.startswith("TTFT p99 ") and "exceeds the SLO of 300 ms" in breach
+
+
+def _held_to(port: int) -> int:
+    """Established TCP connections to a local port, as the kernel lists them."""
+    out = subprocess.run(
+        ["ss", "-Htn", "state", "established", f"( dport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return len(out.splitlines())
+
+
+def test_the_front_lets_go_of_an_idle_engine_connection_before_the_engine_does(
+    front: dict[str, Any], reference_server: Served
+) -> None:
+    """SGLang 0.5.23 (SGLANG_TIMEOUT_KEEP_ALIVE), vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) and
+    uvicorn close a connection idle for 5 s, and a request nginx sends on one as it closes is
+    answered 502. The front's own keep-alive toward the engines ends first: kept after a
+    request through it, gone 4.6 s later."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(reference_server.url).port
+    assert port is not None
+    body = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(front["url"] + "/generate", json=body, timeout=30).status_code == 200
+    assert _held_to(port) >= 1  # kept alive: the case at issue
+    time.sleep(4.6)
+    assert _held_to(port) == 0

@@ -265,9 +265,9 @@ def _baseline_of(inventory: dict[str, Any]) -> BaselineChoice:
     return "sglang" if "sglang.launch_server" in command else "reference"
 
 
-def _offset_of(inventory: dict[str, Any]) -> int:
-    """The port offset a sandbox's inventory was written with, read off its front."""
-    return int(str(inventory["router"]["listen"]).rpartition(":")[2]) - FRONT_PORT
+def _offset_of(listen: str) -> int:
+    """The port offset a sandbox's inventory was written with, read off its front's address."""
+    return int(listen.rpartition(":")[2]) - FRONT_PORT
 
 
 def _keeps(root: Path, asked: object, running: object, said: str) -> None:
@@ -307,7 +307,7 @@ def up(
         old = yaml.safe_load(existing.read_text())
         router = old["router"]["kind"]
         _keeps(root, None if router_choice == "auto" else router_choice, router, f"with {router}")
-        running, ports = _baseline_of(old), _offset_of(old)
+        running, ports = _baseline_of(old), _offset_of(old["router"]["listen"])
         _keeps(root, baseline, running, f"{running} as its baseline")
         _keeps(root, port_offset, ports, f"with --port-offset {ports}")
         baseline, port_offset = running, ports
@@ -333,7 +333,7 @@ def up(
             control.wait_ready(deadline_s=600)
         if progress:
             progress("engines ready", len(controls), len(controls))
-        _start_router(inv, root, router, pool, port_offset or 0)
+        _start_router(inv, root, router, pool)
     return status(root)
 
 
@@ -360,17 +360,15 @@ def make_models(root: Path, progress: Any = None) -> None:
         progress("models", len(steps), len(steps))
 
 
-def _start_router(
-    inv: LoadedInventory, root: Path, router: str, pool: TransportPool, offset: int
-) -> None:
-    front = FRONT_PORT + offset
+def _start_router(inv: LoadedInventory, root: Path, router: str, pool: TransportPool) -> None:
+    assert inv.spec.router is not None
+    listen = inv.spec.router.listen
     if router == "nginx":
         from kdctl.traffic.nginx import NginxRouter
 
         pidfile = root / "nginx" / "nginx.pid"
         include = root / "nginx" / "kdctl.conf"
         if not include.exists():
-            assert inv.spec.router is not None
             include.write_text(
                 NginxRouter(inv, inv.spec.router, pool.get("local")).render({"baseline": 100})
             )
@@ -385,15 +383,16 @@ def _start_router(
         if run.returncode != 0:
             raise InfraError(f"nginx did not start: {run.stderr.strip()[-400:]}")
         # Through the front to the baseline, which is ready by now.
-        wait_http(f"http://127.0.0.1:{front}/health", deadline_s=60)
+        wait_http(f"http://{listen}/health", deadline_s=60)
     else:
         pidfile = root / "run" / "router.pid"
         if _alive(_pid(pidfile)):
             return
         log = (root / "log" / "router.log").open("ab")
+        offset = _offset_of(listen)
         proc = subprocess.Popen(
             router_argv(
-                front,
+                FRONT_PORT + offset,
                 [inv.backends["baseline"].url or ""],
                 prometheus_port=ROUTER_METRICS_PORT + offset,
             ),
@@ -403,7 +402,7 @@ def _start_router(
         )
         pidfile.write_text(f"{proc.pid}\n")
         wait_http(
-            f"http://127.0.0.1:{front}/readiness",
+            f"http://{listen}/readiness",
             deadline_s=60,
             proc=proc,
             log=root / "log" / "router.log",
@@ -570,7 +569,7 @@ def _measure_build(
     """An earlier build served on a spare port under candidate-int4's name, measured into a
     store of its own (its results are dated back before they join the sandbox's)."""
     doc = yaml.safe_load((root / "inventory.yaml").read_text())
-    port = HISTORY_PORT + _offset_of(doc)
+    port = HISTORY_PORT + _offset_of(doc["router"]["listen"])
     spec = doc["backends"]["candidate-int4"]
     spec["url"] = f"http://127.0.0.1:{port}"
     spec["model"] = str(model)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,22 +228,31 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     return path
 
 
-def made_once(root: Path, name: str, *args: str) -> Path:
-    """`kdctl reference make-model ... --out root/name`, made by the first worker to ask and
-    read by the rest: training a model is the suite's costliest start-up, and the same
-    arguments give the same bytes."""
+def built_once(root: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """`root/name`, built by `build(folder)` by the first worker to ask (into a partial folder,
+    renamed when whole) and read by the rest."""
     import fcntl
 
     out = root / name
     with (root / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():
+        if not out.exists():
             tmp = root / f"{name}.partial"
             shutil.rmtree(tmp, ignore_errors=True)
-            run = kdctl("reference", "make-model", *args, "--out", str(tmp))
-            assert run.code == 0, run.err
+            build(tmp)
             tmp.rename(out)
     return out
+
+
+def made_once(root: Path, name: str, *args: str) -> Path:
+    """`kdctl reference make-model ... --out root/name`, made once a run (built_once): training
+    a model is the suite's costliest start-up, and the same arguments give the same bytes."""
+
+    def make(out: Path) -> None:
+        run = kdctl("reference", "make-model", *args, "--out", str(out))
+        assert run.code == 0, run.err
+
+    return built_once(root, name, make)
 
 
 @pytest.fixture(scope="session")

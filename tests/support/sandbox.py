@@ -15,20 +15,15 @@ def sandbox_models_of(tmp_path_factory: pytest.TempPathFactory, models: dict[str
     by the rest; each test's sandbox starts from a copy, which `up` reuses as it reuses what is
     already there. A module's fixture:
     `pytest.fixture(scope="module", name="sandbox_models")(sandbox_models_of)`."""
-    import fcntl
-
     from kdctl.sandbox import make_models
-    from tests.conftest import shared_dir
+    from tests.conftest import built_once, shared_dir
 
-    root = shared_dir(tmp_path_factory, "sandbox")
-    with (root / "models.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "models.made").exists():
-            for key in ("dsv3", "dsv3-draft"):
-                shutil.copytree(models[key], root / "models" / models[key].name, dirs_exist_ok=True)
-            make_models(root, None)
-            (root / "models.made").touch()
-    return root / "models"
+    def build(root: Path) -> None:
+        for key in ("dsv3", "dsv3-draft"):
+            shutil.copytree(models[key], root / "models" / models[key].name)
+        make_models(root, None)
+
+    return built_once(shared_dir(tmp_path_factory, "models"), "sandbox", build) / "models"
 
 
 def sandbox_dir(tmp_path: Path, models: Path) -> Path:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kdctl.sandbox import FRONT_PORT
 from tests.conftest import kdctl, need_module, need_sglang_router
 from tests.support.sandbox import sandbox_dir, sandbox_models_of
 
@@ -16,7 +17,7 @@ need_module("torch", "reference")
 
 sandbox_models = pytest.fixture(scope="module", name="sandbox_models")(sandbox_models_of)
 OFFSET = 100
-FRONT = f"http://127.0.0.1:{8000 + OFFSET}"
+FRONT = f"http://127.0.0.1:{FRONT_PORT + OFFSET}"
 
 
 def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(

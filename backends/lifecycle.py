@@ -95,18 +95,24 @@ class ServiceControl:
         # The engine writes its own pid ($$ of the shell that then execs it): `$!` after `&`
         # names a subshell under bash, which would leave a pidfile pointing at the wrong process.
         inner = 'echo $$ > "$1" && shift && exec "$@"'
+        pidfile = shlex.quote(svc.pidfile)
         script = (
             f"cd -- {shlex.quote(svc.workdir or '/')} || exit 1\n"
             f": >> {shlex.quote(svc.log)} || exit 1\n"
-            f"{env}setsid sh -c {shlex.quote(inner)} sh {shlex.quote(svc.pidfile)} "
+            f"{env}setsid sh -c {shlex.quote(inner)} sh {pidfile} "
             f"{shlex.join(svc.argv)} >> {shlex.quote(svc.log)} 2>&1 < /dev/null &\n"
-            f"for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s {shlex.quote(svc.pidfile)} ] && exit 0; "
-            f"sleep 0.1; done\nexit 1"
+            # Done once the pid runs the engine: until the wrapper's exec, /proc shows the
+            # wrapper's own command line, which a state probe would take for a reused pid.
+            f"i=0; while [ $i -lt 50 ]; do\n"
+            f"  if [ -s {pidfile} ]; then\n"
+            f'    pid=$(cat {pidfile}); tr "\\000" "\\n" < "/proc/$pid/cmdline" 2>/dev/null'
+            f" | grep -qxF -- {shlex.quote(inner)} || exit 0\n"
+            f"  fi\n  sleep 0.1; i=$((i + 1))\ndone\nexit 1"
         )
         # On stdin, not in argv: the values (a hub token) would show in `ps` on the host.
         result = self.transport.run(["sh", "-s"], stdin=script.encode(), timeout=60)
         if not result.ok:
-            why = result.stderr.strip()[-300:] or "no pid within 1s"
+            why = result.stderr.strip()[-300:] or "the engine had not started within 5s"
             raise BackendError(
                 self.name, self.where, f"could not start: {why}; last log lines:\n{self.log_tail()}"
             )

@@ -404,32 +404,33 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 # The longest files first (pyproject's --no-loadscope-reorder keeps this order; xdist would put
 # the files with most tests first): with a file per worker at a time, one started last would run
-# alone at the end. By the seconds each took in a fresh-clone run (four workers on two cores),
-# longest first: simulated with xdist's rule (a worker is sent its next file when two of its
-# tests are left), this order ends 46 s sooner than the one before it.
+# alone at the end. By the seconds each file's tests took in a whole-suite run (four workers on
+# two cores, --durations=0), longest first; a file not named here (each under 25 s) comes after.
 _LONGEST_FIRST = (
-    "test_sandbox.py",  # 285 s, the demo alone 284
-    "test_vllm.py",  # 232
-    "test_rolling.py",  # 174
-    "test_serving.py",  # 139
-    "test_sandbox_sglang.py",  # 139
-    "test_phases.py",  # 136
-    "test_traffic_faults.py",  # 112
-    "test_rolling_stops.py",  # 109
+    "test_sandbox.py",  # 276 s, the demo alone 274
+    "test_rolling.py",  # 180
+    "test_serving.py",  # 178, mostly deadlines waited out
+    "test_vllm.py",  # 177
     # A real SGLang and nginx in a box, reference servers in another.
-    "test_init.py",  # 78
-    "test_throughput.py",  # 74
-    "test_tp_health.py",  # 72
-    "test_trends.py",  # 72
-    "test_evidence_binding.py",  # 70
-    "test_swap_kills.py",  # 69
-    "test_engine_faults.py",  # 58
-    "test_sglang_live.py",  # 58
-    "test_traffic.py",  # 48
-    "test_pools.py",  # 36
-    "test_reference_model.py",  # 35
-    "test_http_over_ssh.py",  # 34
-    "test_swap.py",  # 30
+    "test_init.py",  # 116
+    "test_sandbox_sglang.py",  # 103
+    "test_traffic_faults.py",  # 101
+    "test_phases.py",  # 92
+    "test_tp_health.py",  # 83
+    "test_rolling_stops.py",  # 75
+    "test_trends.py",  # 68
+    "test_sglang_live.py",  # 65
+    "test_swap_kills.py",  # 65
+    "test_traffic.py",  # 55
+    "test_engine_faults.py",  # 55
+    "test_throughput.py",  # 45
+    "test_native_command.py",  # 40
+    "test_evidence_binding.py",  # 39
+    "test_swap.py",  # 33
+    "test_reference_model.py",  # 30
+    "test_backends.py",  # 28
+    "test_http_over_ssh.py",  # 26
+    "test_lifecycle.py",  # 25
 )
 
 

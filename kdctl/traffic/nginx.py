@@ -69,6 +69,8 @@ class NginxRouter(Router):
         if not isinstance(spec, NginxRouterSpec):
             raise InputError(f"router kind {spec.kind!r}: the nginx driver takes nginx's spec")
         super().__init__(inv, spec, transport)
+        # The master and the workers of the configuration the last reload replaced.
+        self._retiring: tuple[int, set[int]] | None = None
 
     def _nginx(self, *args: str) -> list[str]:
         argv = [self.spec.nginx]
@@ -172,6 +174,7 @@ class NginxRouter(Router):
             raise RouterError(f"nginx -s reload failed: {reload.stderr.strip()[-600:]}")
         if master:
             self._await_previous_workers(master, set(previous))
+        self._retiring = (master, set(previous)) if master else None
 
     def _await_previous_workers(self, master: int, previous: set[int]) -> None:
         """Until each worker of the previous configuration has taken the reload's signal (or
@@ -265,7 +268,19 @@ class NginxRouter(Router):
                 if time.monotonic() > deadline:
                     raise RouterError(f"nginx front {self.front_url} does not answer as drained")
                 time.sleep(0.05)
+        self._await_retired(deadline)
         return self.read()
+
+    def _await_retired(self, deadline: float) -> None:
+        """Until the previous configuration's workers have exited, or the deadline: a worker
+        shutting down still finishes the requests it took before the reload, sending them to
+        the engine a drain precedes stopping; stopped under them, they end in 502s. Past the
+        deadline (a long stream), the drain ends anyway, as a grace period does."""
+        if self._retiring is None:
+            return
+        master, previous = self._retiring
+        while previous & self._workers(master).keys() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _draining(self, client: httpx.Client) -> bool:
         try:

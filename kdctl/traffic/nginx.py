@@ -69,8 +69,6 @@ class NginxRouter(Router):
         if not isinstance(spec, NginxRouterSpec):
             raise InputError(f"router kind {spec.kind!r}: the nginx driver takes nginx's spec")
         super().__init__(inv, spec, transport)
-        # The master and the workers of the configuration the last reload replaced.
-        self._retiring: tuple[int, set[int]] | None = None
 
     def _nginx(self, *args: str) -> list[str]:
         argv = [self.spec.nginx]
@@ -161,20 +159,23 @@ class NginxRouter(Router):
         state = parse_config(text, source=f"{self.spec.host}:{self.spec.include}")
         return state.model_copy(update={"applied": applied})
 
-    def _check_and_reload(self) -> None:
+    def _check_and_reload(self) -> tuple[int, set[int]] | None:
+        """nginx's master and the workers of the configuration the reload replaced (None where
+        no master is found)."""
         test = self.transport.run(self._nginx("-t"), timeout=30)
         if not test.ok:
             raise RouterError(
                 f"nginx -t refused the new configuration: {test.stderr.strip()[-600:]}"
             )
         master = self._master_pid()
-        previous = self._workers(master) if master else {}
+        previous = set(self._workers(master)) if master else set()
         reload = self.transport.run(self._nginx("-s", "reload"), timeout=30)
         if not reload.ok:
             raise RouterError(f"nginx -s reload failed: {reload.stderr.strip()[-600:]}")
-        if master:
-            self._await_previous_workers(master, set(previous))
-        self._retiring = (master, set(previous)) if master else None
+        if not master:
+            return None
+        self._await_previous_workers(master, previous)
+        return master, previous
 
     def _await_previous_workers(self, master: int, previous: set[int]) -> None:
         """Until each worker of the previous configuration has taken the reload's signal (or
@@ -228,10 +229,12 @@ class NginxRouter(Router):
                 workers[int(pid)] = args
         return workers
 
-    def _write(self, text: str, on_written: Callable[[], None] | None = None) -> None:
+    def _write(
+        self, text: str, on_written: Callable[[], None] | None = None
+    ) -> tuple[int, set[int]] | None:
         """New file in, `nginx -t`; on refusal the previous file goes back and nginx, never
         reloaded, keeps serving the old one. After the reload, the file's checksum is recorded
-        as what nginx runs."""
+        as what nginx runs. The replaced workers, as _check_and_reload gives them."""
         include = self.spec.include
         previous = include + ".prev"
         self.transport.run(["cp", "-p", "--", include, previous], timeout=30)
@@ -242,13 +245,14 @@ class NginxRouter(Router):
             if on_written is not None:
                 on_written()
             try:
-                self._check_and_reload()
+                replaced = self._check_and_reload()
             except RouterError:
                 self.transport.run(["cp", "-p", "--", previous, include], timeout=30)
                 raise
             record = Path(tmp) / "applied"
             record.write_text(_digest(text) + "\n")
             self.transport.put(record, self._applied_path, mode=0o644)
+        return replaced
 
     def apply(
         self, weights: dict[str, int], *, on_written: Callable[[], None] | None = None
@@ -258,27 +262,26 @@ class NginxRouter(Router):
 
     def drain(self, *, deadline_s: float = 10.0) -> RouterState:
         """Every new request answered 503 with Retry-After. It returns once the front says so
-        a few times in a row: a reload returns before the new workers take connections, and an
-        engine stopped while the old ones still take them turns clients' requests into 502s."""
+        a few times in a row and the old workers have ended the requests they hold: a reload
+        returns before the new workers take connections, and an engine stopped while the old
+        ones still take or carry requests turns clients' requests into 502s."""
         current = self.read()
-        self._write(self.render(current.weights, draining=True))
+        replaced = self._write(self.render(current.weights, draining=True))
         deadline = time.monotonic() + deadline_s
         with http_client() as client:
             while not all(self._draining(client) for _ in range(3)):
                 if time.monotonic() > deadline:
                     raise RouterError(f"nginx front {self.front_url} does not answer as drained")
                 time.sleep(0.05)
-        self._await_retired(deadline)
+        if replaced is not None:
+            self._await_exited(*replaced, deadline)
         return self.read()
 
-    def _await_retired(self, deadline: float) -> None:
+    def _await_exited(self, master: int, previous: set[int], deadline: float) -> None:
         """Until the previous configuration's workers have exited, or the deadline: a worker
         shutting down still finishes the requests it took before the reload, sending them to
         the engine a drain precedes stopping; stopped under them, they end in 502s. Past the
         deadline (a long stream), the drain ends anyway, as a grace period does."""
-        if self._retiring is None:
-            return
-        master, previous = self._retiring
         while previous & self._workers(master).keys() and time.monotonic() < deadline:
             time.sleep(0.05)
 

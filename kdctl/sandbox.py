@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from contextlib import ExitStack
 from datetime import datetime, timedelta
@@ -172,11 +173,26 @@ def _router_kind() -> Literal["nginx", "sglang-router"]:
     return "sglang-router"
 
 
+def engine_python() -> str:
+    """The interpreter the sandbox's reference engines run under: $KDCTL_SANDBOX_PYTHON (one
+    with kdctl installed; another venv's, with CUDA's torch, say), else kdctl's own."""
+    chosen = os.environ.get("KDCTL_SANDBOX_PYTHON")
+    if not chosen:
+        return sys.executable
+    if not (os.path.isabs(chosen) and os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+        raise InputError(f"KDCTL_SANDBOX_PYTHON={chosen}: not the absolute path of a program")
+    return chosen
+
+
 def _inventory(
-    root: Path, router: str, baseline: BaselineChoice = "reference", offset: int = 0
+    root: Path,
+    router: str,
+    baseline: BaselineChoice = "reference",
+    offset: int = 0,
+    python: str | None = None,
 ) -> dict[str, Any]:
     """The top-level inventory.yaml's setup, with the absolute paths of this folder and every
-    port moved by `offset`."""
+    port moved by `offset`; the reference engines run under `python`."""
     shipped = Path(__file__).resolve().parent.parent / "inventory.yaml"
     base: dict[str, Any] = yaml.safe_load(shipped.read_text()) if shipped.is_file() else {}
     backends = {}
@@ -198,6 +214,7 @@ def _inventory(
                     # Against SGLang itself, the native engine speaks its API as of its
                     # release, as the team's would: the api-conformance gate holds it to that.
                     sglang_version=SGLANG_VERSION if baseline == "sglang" else None,
+                    python=python,
                 ),
                 "pidfile": str(root / "run" / f"{name}.pid"),
                 "log": str(root / "log" / f"{name}.log"),
@@ -215,7 +232,7 @@ def _inventory(
         "host": "local",
         "tp_size": 1,
         "model": str(batch_model),
-        "command": batch_argv(batch_model),
+        "command": batch_argv(batch_model, python),
         "workdir": str(root / "run"),
     }
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -294,8 +311,9 @@ def up(
             f"--port-offset {port_offset}: must be 0 to {MAX_PORT_OFFSET}, so that the "
             f"sandbox's highest port, {HISTORY_PORT}, moved by it is still a port"
         )
+    # Each refused before anything is made.
+    python = engine_python()
     if baseline == "sglang":
-        # Both refused before anything is made.
         _sglang_python()
         _k2_configured(root / "models" / ENGINES["baseline"][1] / "config.json")
     for sub in ("models", "run", "log", "nginx/tmp", "state"):
@@ -314,7 +332,7 @@ def up(
     else:
         router = _router_kind() if router_choice == "auto" else router_choice
     inv_path = root / "inventory.yaml"
-    written = _inventory(root, router, baseline or "reference", port_offset or 0)
+    written = _inventory(root, router, baseline or "reference", port_offset or 0, python)
     inv_path.write_text(yaml.safe_dump(written, sort_keys=False))
     make_models(root, progress)
     inv = load_inventory(inv_path)
@@ -571,6 +589,8 @@ def _measure_build(
     doc = yaml.safe_load((root / "inventory.yaml").read_text())
     port = HISTORY_PORT + _offset_of(doc["router"]["listen"])
     spec = doc["backends"]["candidate-int4"]
+    # Under the interpreter the build serving now runs under.
+    python = str(spec["service"]["command"][0])
     spec["url"] = f"http://127.0.0.1:{port}"
     spec["model"] = str(model)
     spec.pop("service", None)
@@ -581,7 +601,7 @@ def _measure_build(
     log = work / f"serve-g{group}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            serve_argv(model, port, served_name=model.name),
+            serve_argv(model, port, served_name=model.name, python=python),
             stdout=fh,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -335,6 +335,29 @@ def warm_argv(argv: list[str]) -> list[str]:
     ]
 
 
+def warm_python(folder: Path) -> dict[str, str]:
+    """The environment in which `kdctl sandbox` runs its engines (KDCTL_SANDBOX_PYTHON) as
+    warm_argv runs an inventory's: `folder/bin/python -m kdctl ARGS` is warm_exec.py in a fork
+    of the warm engine server, anything else the real interpreter. Named python, as what it
+    stands for is, for the process checks that read an engine's command line. Empty with
+    KDCTL_TEST_COLD_CLI: the engines start cold."""
+    import shlex
+
+    engines = _warm_engines()
+    if engines is None:
+        return {}
+    warm = warm_argv([sys.executable, "-m", "kdctl"])
+    wrapper = folder / "bin" / "python"
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = -m ] && [ "$2" = kdctl ] && shift 2 && exec {shlex.join(warm)} "$@"\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return {"KDCTL_SANDBOX_PYTHON": str(wrapper)}
+
+
 def serve_reference(
     model: Path,
     *,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, kdctl, need_module
+from tests.conftest import REPO, kdctl, need_module, warm_python
 from tests.support.sandbox import sandbox_dir, sandbox_models_of
 
 need_module("torch", "reference")
@@ -47,6 +47,15 @@ def test_a_port_offset_past_the_last_port_is_refused(tmp_path: Path) -> None:
     refused = kdctl("sandbox", "up", "--dir", str(root), "--port-offset", "34534")
     assert refused.code == 2 and "Traceback" not in refused.err, refused.err
     assert "--port-offset 34534: must be 0 to 34533" in refused.err, refused.err
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("python", ["python3", "/nonexistent/bin/python"])
+def test_an_engine_interpreter_that_is_no_program_is_refused(tmp_path: Path, python: str) -> None:
+    root = tmp_path / "sandbox"
+    refused = kdctl("sandbox", "up", "--dir", str(root), env={"KDCTL_SANDBOX_PYTHON": python})
+    assert refused.code == 2 and "Traceback" not in refused.err, refused.err
+    assert f"KDCTL_SANDBOX_PYTHON={python}: not the absolute path" in refused.err, refused.err
     assert not root.exists()
 
 
@@ -90,16 +99,16 @@ def test_sglang_as_baseline_on_a_model_made_before_k2_fields(tmp_path: Path) -> 
     assert sorted(p.name for p in root.iterdir()) == ["models"]
 
 
-def _up_reused_and_read(root: Path) -> dict[str, int]:
+def _up_reused_and_read(root: Path, env: dict[str, str]) -> dict[str, int]:
     """`sandbox up`, then again: the second reuses every process; status reads them all up,
     the router sending all to the baseline. The processes' pids."""
-    first = kdctl("sandbox", "up", "--dir", str(root), "--json", timeout=600)
+    first = kdctl("sandbox", "up", "--dir", str(root), "--json", env=env, timeout=600)
     assert first.code == 0, first.out + first.err
     doc = json.loads(first.out)
     assert doc["up"] and doc["router"] == "nginx"
     pids = {p["name"]: p["pid"] for p in doc["processes"]}
     assert set(pids) == {"baseline", "candidate", "candidate-int4", "nginx"}
-    again = kdctl("sandbox", "up", "--dir", str(root), "--json", timeout=600)
+    again = kdctl("sandbox", "up", "--dir", str(root), "--json", env=env, timeout=600)
     assert again.code == 0, again.err
     assert {p["name"]: p["pid"] for p in json.loads(again.out)["processes"]} == pids
     inv = str(root / "inventory.yaml")
@@ -125,13 +134,17 @@ def test_the_demo_tells_the_whole_story(
     tmp_path: Path, need_nginx: str, sandbox_models: Path, report: Any
 ) -> None:
     sandbox = sandbox_dir(tmp_path, sandbox_models)
+    # Its engines, each a fork of the warm engine server: the story's dozen engine starts and
+    # batch runs are not a dozen imports of torch and transformers.
+    engines = warm_python(tmp_path)
     try:
-        pids = _up_reused_and_read(sandbox)
+        pids = _up_reused_and_read(sandbox, engines)
     except BaseException:
         kdctl("sandbox", "down", "--dir", str(sandbox))
         raise
     env = {
         **os.environ,
+        **engines,
         "VENV": str(Path(sys.executable).parent.parent),
         "SANDBOX": str(sandbox),
         "COLUMNS": "200",

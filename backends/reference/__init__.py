@@ -29,11 +29,12 @@ def serve_argv(
     draft: Path | str | None = None,
     draft_tokens: int | None = None,
     sglang_version: str | None = None,
+    python: str | None = None,
 ) -> list[str]:
     """The command line of `kdctl reference serve`: what a service, a test or a benchmark runs
     to put the reference model behind SGLang's API on loopback (decoding speculatively with a
-    `draft` model)."""
-    argv = [sys.executable, "-m", "kdctl", "reference", "serve", "--model", str(model)]
+    `draft` model), under `python` (default: kdctl's own interpreter)."""
+    argv = [python or sys.executable, "-m", "kdctl", "reference", "serve", "--model", str(model)]
     argv += ["--port", str(port)]
     if draft is not None:
         argv += ["--draft-model", str(draft)]
@@ -48,7 +49,8 @@ def serve_argv(
     return argv
 
 
-def batch_argv(model: Path | str) -> list[str]:
+def batch_argv(model: Path | str, python: str | None = None) -> list[str]:
     """The command line of `kdctl reference batch`: the reference model as a command-mode
-    engine (kdctl appends the request and response files)."""
-    return [sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(model)]
+    engine (kdctl appends the request and response files), under `python` (default: kdctl's
+    own interpreter)."""
+    return [python or sys.executable, "-m", "kdctl", "reference", "batch", "--model", str(model)]

@@ -16,7 +16,8 @@ saves the engine's three seconds of imports. The engines kdctl itself starts in 
 ARGS`: a stand-in that has the same server fork `kdctl ARGS` and stands for it (stdin and
 output passed on, signals forwarded, its exit code; killed, the fork is killed too; started on
 a test box, the fork joins the box's network and mount namespaces). The sandbox's engines
-start cold, as they would anywhere.
+start cold, as they would anywhere, but in the demo's test, whose sandbox runs them under an
+interpreter that hands `-m kdctl` to warm_exec.py (conftest.warm_python).
 
 Protocol, over a Unix socket: the client sends one JSON line (argv, env, cwd) with its stdout
 and stderr file descriptors (SCM_RIGHTS); the fork writes its pid as a line and runs; the

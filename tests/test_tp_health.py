@@ -239,6 +239,10 @@ def test_gate_on_a_replayed_h200_host(tmp_path: Path) -> None:
     with (capture / "dmesg-xid.txt").open("a") as log:
         log.write(XID_79 + "\n")
     (capture / "query-apps.csv").write_text((H200 / "query-apps.csv").read_text() + ENGINE_ON_GPU0)
+    # The probe's part is told above: from here its NCCL report is the busy H200's, replayed,
+    # rather than two more failing torch runs.
+    shutil.copy(BUSY / "allreduce-nccl.txt", capture)
+    inv = inventory(tmp_path, tp=1, gpus=1, python=str(REPLAY / "allreduce-replay"))
     code, result = tp_health(inv, env=_replay_env(capture))
     reasons = " | ".join(result["reasons"])
     assert f"new Xid: {XID_79}" in reasons and "no process holds memory" not in reasons

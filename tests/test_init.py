@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -92,6 +93,36 @@ def test_proc_net_tcp_where_ss_is_missing() -> None:
     )
     found = [(s.address, s.port) for s in parse_proc_net_tcp(tcp)]
     assert found == [("127.0.0.1", 30000), ("::", 8000), ("::1", 22)]
+
+
+def test_an_engine_that_exits_between_ps_and_proc_is_not_running(tmp_path: Path) -> None:
+    """An engine ps lists that is gone when its /proc entry is read (one shutting down as the
+    host is read) is no engine running there: left out, not taken for one whose network
+    namespace and sockets could not be read."""
+    from kdctl.probes.discovery import read_processes
+    from kdctl.transports.local import LocalTransport
+
+    script = tmp_path / "sglang.launch_server"
+    script.write_text("import time\ntime.sleep(60)\n")
+    argv = [sys.executable, str(script), "-m", "sglang.launch_server", "--port", "39999"]
+    ending = subprocess.Popen(argv)
+
+    class ExitsAfterPs(LocalTransport):
+        def run(self, argv: Any, **kw: Any) -> Any:
+            if argv[0] == "sh":  # ps has listed it: it exits before /proc is read
+                ending.kill()
+                ending.wait()
+            return super().run(argv, **kw)
+
+    try:
+        listed = read_processes(LocalTransport("local"), systemd=False)
+        assert ending.pid in {p.pid for p in listed}
+        assert ending.pid not in {
+            p.pid for p in read_processes(ExitsAfterPs("local"), systemd=False)
+        }
+    finally:
+        ending.kill()
+        ending.wait()
 
 
 def test_ps_and_the_exact_command_lines_from_proc() -> None:

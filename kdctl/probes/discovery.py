@@ -823,6 +823,10 @@ def read_processes(transport: Transport, *, systemd: bool, timeout: float = 15.0
         script = ["sh", "-c", _PROC_SCRIPT, "sh", *(str(p.pid) for p in wanted)]
         _, records, _ = _run(transport, script, timeout)
         exact = parse_proc_records(records)
+        # ps listed it, /proc had no command line for it a moment later: it exited in between
+        # (an engine shutting down), or is a zombie. No engine runs there, whatever ps said.
+        gone = {p.pid for p in wanted if p.pid not in exact}
+        processes = [p for p in processes if p.pid not in gone]
         for p in wanted:
             if p.pid in exact:
                 got = exact[p.pid]

@@ -306,8 +306,7 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
                         # machine's speed: n-gram drafting on two shared cores has read from
                         # 0.05x to 0.3x of the plain engine, medians of three runs a side.
                         "min_ratio": 0.01,
-                        # Both engines measured side by side, run after run, the median of
-                        # three each.
+                        # Both engines measured side by side, run after run.
                         "baseline_run": "interleaved",
                         "repeats": repeats,
                     }
@@ -321,7 +320,9 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
         (result,) = json.loads(run.out)["results"]
         return result
 
-    on_text = gate("auto", repeats=3)
+    # One run a side: where the accept length comes from is the same in each run (three took
+    # about 40 s of vLLM drafting on two cores).
+    on_text = gate("auto", repeats=1)
     assert on_text["verdict"] == "pass", on_text["reasons"]
     assert "drafting decodes speculatively" in on_text["reasons"][0], on_text["reasons"]
     (point,) = on_text["details"]["points"]
@@ -336,7 +337,7 @@ def test_a_speculative_vllm_is_judged_on_text_with_its_own_acceptance(
     ratio = point["output_throughput"] / base["output_throughput"]
     assert metrics["c2.ratio"] == pytest.approx(ratio, rel=1e-3)
 
-    # Inconclusive whatever the figures: one run a side says so as well as three.
+    # Inconclusive whatever the figures.
     on_ids = gate("random-ids", repeats=1)
     assert on_ids["verdict"] == "inconclusive", on_ids["reasons"]
     said = " ".join(on_ids["reasons"])

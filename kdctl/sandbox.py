@@ -288,8 +288,8 @@ def _offset_of(listen: str) -> int:
 
 
 def _keeps(root: Path, asked: object, running: object, said: str) -> None:
-    """A second `up` reuses the sandbox as it runs: another router, baseline or ports would
-    change them under running engines."""
+    """A second `up` reuses the sandbox as it runs: another router, baseline, ports or
+    interpreter would change them under running engines."""
     if asked is not None and asked != running:
         raise InputError(f"{root} already runs {said}; kdctl sandbox down --dir {root} first")
 
@@ -320,15 +320,18 @@ def up(
         (root / sub).mkdir(parents=True, exist_ok=True)
     existing = root / "inventory.yaml"
     if existing.exists():
-        # Reused as it is: a second `up` must not swap the router or the baseline under
-        # running engines.
+        # Reused as it is: a second `up` must not swap the router, the baseline or the
+        # engines' interpreter under running engines.
         old = yaml.safe_load(existing.read_text())
         router = old["router"]["kind"]
         _keeps(root, None if router_choice == "auto" else router_choice, router, f"with {router}")
         running, ports = _baseline_of(old), _offset_of(old["router"]["listen"])
         _keeps(root, baseline, running, f"{running} as its baseline")
         _keeps(root, port_offset, ports, f"with --port-offset {ports}")
-        baseline, port_offset = running, ports
+        ran = str(old["backends"]["candidate"]["service"]["command"][0])
+        asked = python if os.environ.get("KDCTL_SANDBOX_PYTHON") else None
+        _keeps(root, asked, ran, f"its engines under {ran}")
+        baseline, port_offset, python = running, ports, ran
     else:
         router = _router_kind() if router_choice == "auto" else router_choice
     inv_path = root / "inventory.yaml"

@@ -60,19 +60,23 @@ def test_an_engine_interpreter_that_is_no_program_is_refused(tmp_path: Path, pyt
 
 
 def test_a_second_up_keeps_the_router_and_ports_it_runs_with(tmp_path: Path) -> None:
-    """Refused before anything starts, naming what runs: another router or port offset would
-    change them under running engines."""
+    """Refused before anything starts, naming what runs: another router, port offset or
+    engines' interpreter would change them under running engines."""
     from kdctl.sandbox import _inventory
 
     root = tmp_path / "sandbox"
     root.mkdir()
     written = yaml.safe_dump(_inventory(root, "nginx", offset=3), sort_keys=False)
     (root / "inventory.yaml").write_text(written)
-    for flags, said in (
-        (["--router", "sglang-router"], "already runs with nginx;"),
-        (["--port-offset", "0"], "already runs with --port-offset 3;"),
+    other = tmp_path / "bin" / "python"  # another venv's interpreter
+    other.parent.mkdir()
+    other.symlink_to(sys.executable)
+    for flags, env, said in (
+        (["--router", "sglang-router"], {}, "already runs with nginx;"),
+        (["--port-offset", "0"], {}, "already runs with --port-offset 3;"),
+        ([], {"KDCTL_SANDBOX_PYTHON": str(other)}, f"its engines under {sys.executable};"),
     ):
-        refused = kdctl("sandbox", "up", "--dir", str(root), *flags)
+        refused = kdctl("sandbox", "up", "--dir", str(root), *flags, env=env)
         assert refused.code == 2 and said in refused.err, refused.err
         assert "Traceback" not in refused.err
     assert (root / "inventory.yaml").read_text() == written

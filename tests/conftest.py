@@ -430,8 +430,10 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     import compileall
 
+    # In this process: a pool of workers costs more to start (0.14 s a run) than compiling
+    # everything takes when nothing changed (0.007 s); from a fresh clone it is 0.5 s.
     for folder in ("kdctl", "backends", "checks", "roadmap", "templates", "tests"):
-        compileall.compile_dir(REPO / folder, quiet=1, workers=0)
+        compileall.compile_dir(REPO / folder, quiet=1)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

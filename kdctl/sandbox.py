@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from contextlib import ExitStack
 from datetime import datetime, timedelta
@@ -173,12 +172,13 @@ def _router_kind() -> Literal["nginx", "sglang-router"]:
     return "sglang-router"
 
 
-def engine_python() -> str:
-    """The interpreter the sandbox's reference engines run under: $KDCTL_SANDBOX_PYTHON (one
-    with kdctl installed; another venv's, with CUDA's torch, say), else kdctl's own."""
+def _engine_python() -> str | None:
+    """The interpreter $KDCTL_SANDBOX_PYTHON asks the sandbox's reference engines to run under
+    (one with kdctl installed; another venv's, with CUDA's torch, say); None where it is unset:
+    kdctl's own."""
     chosen = os.environ.get("KDCTL_SANDBOX_PYTHON")
     if not chosen:
-        return sys.executable
+        return None
     if not (os.path.isabs(chosen) and os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
         raise InputError(f"KDCTL_SANDBOX_PYTHON={chosen}: not the absolute path of a program")
     return chosen
@@ -282,6 +282,11 @@ def _baseline_of(inventory: dict[str, Any]) -> BaselineChoice:
     return "sglang" if "sglang.launch_server" in command else "reference"
 
 
+def _python_of(inventory: dict[str, Any]) -> str:
+    """The interpreter a sandbox's inventory runs its reference engines under."""
+    return str(inventory["backends"]["candidate"]["service"]["command"][0])
+
+
 def _offset_of(listen: str) -> int:
     """The port offset a sandbox's inventory was written with, read off its front's address."""
     return int(listen.rpartition(":")[2]) - FRONT_PORT
@@ -312,7 +317,7 @@ def up(
             f"sandbox's highest port, {HISTORY_PORT}, moved by it is still a port"
         )
     # Each refused before anything is made.
-    python = engine_python()
+    python = _engine_python()
     if baseline == "sglang":
         _sglang_python()
         _k2_configured(root / "models" / ENGINES["baseline"][1] / "config.json")
@@ -328,9 +333,8 @@ def up(
         running, ports = _baseline_of(old), _offset_of(old["router"]["listen"])
         _keeps(root, baseline, running, f"{running} as its baseline")
         _keeps(root, port_offset, ports, f"with --port-offset {ports}")
-        ran = str(old["backends"]["candidate"]["service"]["command"][0])
-        asked = python if os.environ.get("KDCTL_SANDBOX_PYTHON") else None
-        _keeps(root, asked, ran, f"its engines under {ran}")
+        ran = _python_of(old)
+        _keeps(root, python, ran, f"its engines under {ran}")
         baseline, port_offset, python = running, ports, ran
     else:
         router = _router_kind() if router_choice == "auto" else router_choice
@@ -592,8 +596,6 @@ def _measure_build(
     doc = yaml.safe_load((root / "inventory.yaml").read_text())
     port = HISTORY_PORT + _offset_of(doc["router"]["listen"])
     spec = doc["backends"]["candidate-int4"]
-    # Under the interpreter the build serving now runs under.
-    python = str(spec["service"]["command"][0])
     spec["url"] = f"http://127.0.0.1:{port}"
     spec["model"] = str(model)
     spec.pop("service", None)
@@ -604,7 +606,8 @@ def _measure_build(
     log = work / f"serve-g{group}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            serve_argv(model, port, served_name=model.name, python=python),
+            # Under the interpreter the build serving now runs under.
+            serve_argv(model, port, served_name=model.name, python=_python_of(doc)),
             stdout=fh,
             stderr=subprocess.STDOUT,
             start_new_session=True,

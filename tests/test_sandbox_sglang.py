@@ -4,6 +4,7 @@ back to, under load through SGLang's router."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,11 @@ def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
         status = json.loads(kdctl("status", "-i", inv, "--json").out)
         engines = {b["name"]: b for b in status["backends"]}
         assert engines["baseline"]["version"] == SGLANG_VERSION, engines["baseline"]
+        # As the demo prints it: the baseline's row names the release SGLang said it is (the
+        # reference server in its place says "kdctl-reference").
+        shown = kdctl("status", "-i", inv).out
+        row = re.search(r"^│ baseline\s+│ up\s+│[^\n]*", shown, re.M)
+        assert row and f"│ {SGLANG_VERSION} " in row.group(0), shown
         recorded = kdctl("baseline", "record", "-b", "baseline", "--only", "golden", "-i", inv)
         assert recorded.code == 0, recorded.out + recorded.err
         gate = kdctl(

@@ -556,6 +556,17 @@ def _assess(
             )
             # phases --json and every report carry the same verdict as answer 3.
             report = report.model_copy(update={"target_reachable": False})
+        elif (broken := _not_generating(probe, report.candidate)) is not None:
+            # Its health and info answer, but the one-token generation the serving probe
+            # sent it failed: traffic moved there would fail the same way.
+            blockers.append(
+                Blocker(
+                    kind="not-answering",
+                    reason=f"{report.candidate} is not generating: {broken}",
+                    fix=f"see its log on {spec.host}, then restart it",
+                )
+            )
+            report = report.model_copy(update={"target_reachable": False})
     blockers.sort(key=lambda b: _RANK[b.kind])
     soon = _soon(report) if report is not None and blockers else None
     if soon is not None and report is not None and report.estimate is not None:
@@ -612,6 +623,15 @@ def _blocker(c: CriterionStatus) -> Blocker:
     elif gate_class(c.gate).runnable:
         fix = f"kdctl phases --run --phase {c.phase}"
     return Blocker(kind=kind, phase=c.phase, criterion=c.name, reason=c.reason, fix=fix)
+
+
+def _not_generating(probe: ServingProbe, name: str) -> str | None:
+    """Why `name` failed the serving probe's one-token generation, or None where it
+    generated, was not asked, or refused kdctl's key."""
+    tried = next((e for e in probe.engines if e.name == name), None)
+    if tried is None or tried.generated is not False:
+        return None
+    return tried.detail or "a one-token generation fails"
 
 
 def _start_fix(inv: LoadedInventory, name: str) -> str:

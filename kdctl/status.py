@@ -68,6 +68,15 @@ class BackendStatus(BaseModel):
     spec_accept_length: float | None = None
     identity: Literal["live", "declared"] = "declared"
     service: ServiceState | None = None
+    # Whether the one-token generation the serving probe sent it succeeded: false, with why
+    # in `detail`, for an engine whose health answers and whose generation fails; null where
+    # it was not asked (not up) or refused kdctl's key.
+    generates: bool | None = None
+
+    @property
+    def serves(self) -> bool:
+        """Up and not failing its generation: what a pool counts as a replica up."""
+        return self.state == "up" and self.generates is not False
 
 
 class PoolStatus(BaseModel):
@@ -93,7 +102,7 @@ def pool_statuses(inventory: LoadedInventory, backends: list[BackendStatus]) -> 
             name=pool,
             kind=inventory.backends[names[0]].kind if names else "",
             replicas=list(names),
-            up=[n for n in names if n in states and states[n].state == "up"],
+            up=[n for n in names if n in states and states[n].serves],
         )
         for pool, names in inventory.pools.items()
     ]
@@ -391,7 +400,12 @@ def _collect(
         e = answered.get(status.name)
         if e is not None and e.unreachable:
             status.state, status.detail = "unknown", e.detail
-        elif e is not None and e.reached and status.detail is None:
+            continue
+        if e is not None and status.state == "up":
+            status.generates = e.generated
+            if e.generated is False:
+                status.detail = e.detail
+        if e is not None and e.reached and status.detail is None:
             status.detail = e.reached
     report = StatusReport(
         inventory=str(inventory.path),

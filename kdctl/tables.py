@@ -34,6 +34,14 @@ from kdctl.status import BackendStatus, StatusReport
 _STATE_STYLE = {"up": "green", "starting": "yellow", "down": "red", "unknown": "magenta"}
 
 
+def _state_text(b: BackendStatus) -> Text:
+    """Its health, and where its health answers but its generation fails, that too: an
+    engine that answers /health and fails every request is not one to send traffic to."""
+    if b.state == "up" and b.generates is False:
+        return Text("up, not generating", "red")
+    return Text(b.state, _STATE_STYLE.get(b.state, ""))
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} ms"
 
@@ -127,7 +135,7 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
                 "backend": _t(b.name),
                 "kind": _t(b.kind),
                 "url": _t(b.url),
-                "state": Text(b.state, _STATE_STYLE.get(b.state, "")),
+                "state": _state_text(b),
                 "latency": _t(_ms(b.latency_ms)),
                 # What the engine did not say itself is marked as the inventory's word.
                 "model": _t(
@@ -151,7 +159,7 @@ def status_tables(report: StatusReport, *, wide: bool = False) -> Group:
     pools = Text()
     for pool in report.pools:
         down = [
-            f"{b.name} {b.state}" + (f" ({b.detail})" if b.detail else "")
+            f"{b.name} {_state_text(b)}" + (f" ({b.detail})" if b.detail else "")
             for b in report.backends
             if b.name in pool.replicas and b.name not in pool.up
         ]

@@ -560,21 +560,36 @@ def test_speed_comes_from_the_roadmaps_criterion_only(
 def test_candidate_wedged_or_down_blocks_the_cutover_in_every_answer(
     tmp_path: Path, need_nginx: str, reference_server: Served, twin_server: Served
 ) -> None:
-    """The candidate's evidence passes; then its health route answers 503 (SGLang's answer
-    when its health generation times out) while it still describes itself, then it stops.
-    status, phases, report and their exit codes say no each time."""
+    """The candidate's evidence passes; then it fails every generation with HTTP 500 while
+    its health and info routes answer (SGLang once a CUDA error has poisoned its scheduler);
+    then its health route answers 503 (SGLang's answer when its health generation times out)
+    while it still describes itself; then it stops. status, phases, report and their exit
+    codes say no each time."""
     wedge_port = free_port()
     wedge_root = tmp_path / "wedge"
+    poisoned = '{"error": {"message": "CUDA error: an illegal memory access"}}'
 
-    def wedge(health_503: bool) -> str:
-        health = "location = /health { return 503; }" if health_503 else ""
+    def wedge(fault: str | None) -> str:
+        route = {
+            None: "",
+            "generate": f"location = /generate {{ return 500 '{poisoned}'; }}",
+            "health": "location = /health { return 503; }",
+        }[fault]
         upstream = twin_server.url.removeprefix("http://")
         return (
-            f"  server {{ listen 127.0.0.1:{wedge_port}; {health}\n"
+            f"  server {{ listen 127.0.0.1:{wedge_port}; {route}\n"
             f"    location / {{ proxy_pass http://{upstream}; }} }}\n"
         )
 
-    pidfile = start_nginx(wedge_root, wedge(False), [wedge_port])
+    def reload(old: str | None, new: str | None) -> None:
+        conf = wedge_root / "nginx.conf"
+        conf.write_text(conf.read_text().replace(wedge(old), wedge(new)))
+        subprocess.run(
+            [need_nginx, "-p", str(wedge_root), "-c", str(conf), "-s", "reload"], check=True
+        )
+        time.sleep(0.5)
+
+    pidfile = start_nginx(wedge_root, wedge(None), [wedge_port])
     urls = {"baseline": reference_server.url, "candidate": f"http://127.0.0.1:{wedge_port}"}
     (tmp_path / "front").mkdir()
     front = Front(tmp_path / "front", need_nginx, urls)
@@ -583,22 +598,11 @@ def test_candidate_wedged_or_down_blocks_the_cutover_in_every_answer(
         inv = str(front.inv)
         assert kdctl("gate", "run", "health", "-b", "candidate", "-i", inv).code == 0
         ready = front.ask()
-        (wedge_root / "nginx.conf").write_text(
-            (wedge_root / "nginx.conf").read_text().replace(wedge(False), wedge(True))
-        )
-        subprocess.run(
-            [
-                need_nginx,
-                "-p",
-                str(wedge_root),
-                "-c",
-                str(wedge_root / "nginx.conf"),
-                "-s",
-                "reload",
-            ],
-            check=True,
-        )
-        time.sleep(0.5)
+        reload(None, "generate")
+        failing = front.ask()
+        failing_json = json.loads(kdctl("status", "-i", inv, "--json", "--timeout", "2").out)
+        failing_text = kdctl("status", "-i", inv, "--timeout", "2").out
+        reload("generate", "health")
         wedged = front.ask()
         stop_nginx(pidfile)
         down = front.ask()
@@ -606,9 +610,27 @@ def test_candidate_wedged_or_down_blocks_the_cutover_in_every_answer(
         stop_nginx(pidfile)
         front.stop()
     assert ready["cutover"] is True
-    for got in (wedged, down):
+    for got in (failing, wedged, down):
         assert got["cutover"] is False
         assert got["serving"]["backend"] == "baseline"
+    # Health up, generation failing: a blocker, and neither its row nor its pool says up.
+    (blocker,) = failing_json["answers"]["cutover"]["blockers"]
+    assert blocker["kind"] == "not-answering", blocker
+    assert blocker["reason"].startswith("candidate is not generating: health answers, but a "
+                                        "one-token generation fails"), blocker  # fmt: skip
+    assert "CUDA error" in blocker["reason"], blocker
+    (row,) = (b for b in failing_json["backends"] if b["name"] == "candidate")
+    assert (row["state"], row["generates"]) == ("up", False), row
+    assert "CUDA error" in row["detail"], row
+    assert {p["name"]: p["up"] for p in failing_json["pools"]}.get("candidate", []) == [], (
+        failing_json["pools"]
+    )
+    assert re.search(r"^│ candidate\s+│[^\n]*? up, not generating\s+│", failing_text, re.M), (
+        failing_text
+    )
+    assert "3. Cut over to candidate now: no; 1 blocker, first: candidate is not generating" in (
+        " ".join(failing_text.split())
+    ), failing_text
     status = kdctl("status", "-i", str(front.inv), "--json", "--timeout", "2")
     blockers = json.loads(status.out)["answers"]["cutover"]["blockers"]
     # Traffic cannot move to an engine that does not answer: the first blocker.

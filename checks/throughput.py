@@ -636,6 +636,9 @@ def judge(
     short: list[str] = []
     # Runs whose requests took another path than the baseline's (SSH against direct).
     across: list[str] = []
+    # Baseline runs that lost more requests than allowed: output tokens a second count the
+    # requests served, so each lost one lowers its figure and raises the ratio.
+    lossy: list[str] = []
     decided = False
     base_by = {b.max_concurrency: b for b in base_points or []}
     for p in points:
@@ -738,7 +741,17 @@ def judge(
         paths = _paced(settings) if offline else _across_paths(p, base, backend)
         if paths:
             across.append(f"{at}: {paths}")
-        shown_only = unequal or paths is not None
+        lost = (
+            base is not None
+            and base.output_throughput > 0
+            and base.failed > settings.max_failed_requests
+        )
+        if lost and base is not None:
+            lossy.append(
+                f"{at}: {base.failed} of {base.requests} requests to the baseline failed "
+                f"({'; '.join(base.errors[:3])}), so its figure counts only those it served"
+            )
+        shown_only = unequal or paths is not None or lost
         metrics.append(
             Metric(
                 name=f"{c}.ratio",
@@ -771,13 +784,16 @@ def judge(
             other = "were paced otherwise" if offline else "took other paths"
             reasons.append(f"{line}, not judged: the two runs {other}")
             continue
+        if lost:
+            reasons.append(f"{line}, not judged: the baseline's own requests failed")
+            continue
         (reasons if holds == "holds" else findings).append(line)
     scaling = _scaling(points, prefix, word)
     if scaling is not None:
         metrics.append(scaling[0])
         reasons.append(scaling[1])
     # Why the figures cannot pass, whatever they are: the verdict is at most inconclusive.
-    unjudged = short + across
+    unjudged = short + across + lossy
     if not decided:
         unjudged.append("no baseline and no SLO set: nothing to judge the figures against")
     speculative = [

@@ -535,3 +535,42 @@ def test_a_run_recorded_before_the_throughput_window_is_not_the_baseline_now(
     _, result = gate(inv, "candidate", "--baseline", "baseline")
     assert "baseline measured now" in result["reasons"][0], result["reasons"]
     assert "past the throughput window of 1s" in " ".join(result["reasons"]), result["reasons"]
+
+
+def test_a_baseline_that_lost_requests_gives_no_ratio_to_judge() -> None:
+    """Output tokens a second count the requests served: a baseline measured now that lost
+    half its requests (timeouts under load, say) reads at half its speed, and the candidate
+    at twice the baseline's. The ratio is shown, not judged, and the run says why."""
+    from kdctl.checks.throughput import judge
+    from kdctl.inventory.models import ThroughputSettings
+    from kdctl.loadgen import BenchMetrics, RequestRecord
+
+    def point(served: int, lost: int) -> BenchMetrics:
+        ok = RequestRecord(started_at=0.0, ok=True, output_tokens=8, ttft_s=0.01, e2el_s=0.05)
+        failed = RequestRecord(started_at=0.0, error="ReadTimeout")
+        return BenchMetrics.of(
+            [ok] * served + [failed] * lost,
+            1.0,
+            max_concurrency=8,
+            request_rate=None,
+            burstiness=1.0,
+            client="aiohttp",
+            output_len=8,
+            slo=None,
+        )
+
+    settings = ThroughputSettings.model_validate(
+        {"min_ratio": 1.0, "workload": {"concurrency": [8]}}
+    )
+    candidate, lossy, whole = point(200, 0), point(100, 100), point(200, 0)
+    metrics, reasons, verdict = judge(
+        settings, [candidate], [lossy], backend="candidate", random_ids=True
+    )
+    ratio = {m.name: m for m in metrics}["c8.ratio"]
+    assert verdict == "inconclusive" and ratio.value == 2.0 and ratio.threshold is None, reasons
+    assert reasons[0] == (
+        "concurrency 8: 100 of 200 requests to the baseline failed (ReadTimeout), so its "
+        "figure counts only those it served"
+    ), reasons
+    # The same candidate against a baseline that served every request: judged.
+    assert judge(settings, [candidate], [whole], backend="candidate", random_ids=True)[2] == "pass"

@@ -221,6 +221,8 @@ class Soon(BaseModel):
 BlockerKind = Literal["not-answering", "fail", "stale", "missing"]
 _RANK: dict[str, int] = {"not-answering": 0, "fail": 1, "stale": 2, "missing": 3}
 _SAID = {"fail": "fails", "stale": "no longer holds", "missing": "never measured"}
+# A result that did not pass without failing: its gate judged nothing, so nothing "fails".
+_UNJUDGED = {"inconclusive": "is inconclusive", "error": "errored"}
 
 
 class Blocker(BaseModel):
@@ -230,6 +232,9 @@ class Blocker(BaseModel):
     kind: BlockerKind
     phase: str | None = None
     criterion: str | None = None
+    # The verdict of the result that keeps a criterion unmet: `fail`, or `inconclusive` and
+    # `error`, which judged nothing (null where no result counts).
+    verdict: str | None = None
     reason: str
     fix: str | None = None
 
@@ -240,7 +245,10 @@ class Blocker(BaseModel):
     @property
     def short(self) -> str:
         if self.criterion:
-            return f"{self.phase}/{self.criterion} {_SAID[self.kind]}"
+            said = _SAID[self.kind]
+            if self.kind == "fail":
+                said = _UNJUDGED.get(self.verdict or "", said)
+            return f"{self.phase}/{self.criterion} {said}"
         return self.reason.split(":")[0]
 
 
@@ -622,7 +630,10 @@ def _blocker(c: CriterionStatus) -> Blocker:
         fix = f"kdctl cutover --to {c.backend}"
     elif gate_class(c.gate).runnable:
         fix = f"kdctl phases --run --phase {c.phase}"
-    return Blocker(kind=kind, phase=c.phase, criterion=c.name, reason=c.reason, fix=fix)
+    verdict = c.verdict if c.state == "fail" else None
+    return Blocker(
+        kind=kind, phase=c.phase, criterion=c.name, verdict=verdict, reason=c.reason, fix=fix
+    )
 
 
 def _not_generating(probe: ServingProbe, name: str) -> str | None:
@@ -872,6 +883,12 @@ def _judged_speed(
         answer.speed_optimized = "yes"
         answer.speed = f"{measured} {where} ({needs}; {ago})"
         answer.speed_short = f"yes, {measured}"
+    elif status.state == "fail" and status.verdict in _UNJUDGED:
+        # Its gate judged nothing (runs of other lengths, paths, a lossy baseline): a ratio
+        # it shows is no measured "no", nor a "yes".
+        answer.speed_optimized = "unmeasured"
+        answer.speed = f"{measured} shown, not judged, {where} ({needs}; {ago}): {status.reason}"
+        answer.speed_short = f"not judged ({measured} shown; {status.verdict})"
     elif status.state == "fail":
         answer.speed_optimized = "no"
         answer.speed = f"{measured} {where} ({needs}; {ago}): {status.reason}"

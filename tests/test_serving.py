@@ -539,8 +539,49 @@ def test_speed_comes_from_the_roadmaps_criterion_only(
         )
         assert run.code == 0, run.out + run.err
         measured = front.ask()
+        # One token a request: its ITL cannot be measured, so the SLO set on it is not judged
+        # and the run is inconclusive, while the ratio it shows meets the criterion's bar.
+        plan = yaml.safe_load((tmp_path / "roadmap.yaml").read_text())
+        (criterion,) = plan["phases"][1]["criteria"]
+        criterion["settings"] = {
+            "workload": dict(WORKLOAD, output_len=1),
+            "min_ratio": 0.05,
+            "slo_itl_ms": 60_000,
+        }
+        # And a cutover phase after it, whose prerequisites answer 3 holds to.
+        after = {"id": "cutover", "title": "Cut over", "depends_on": ["speed"]}
+        plan["phases"].append({**after, "criteria": [{"name": "soak", "gate": "sign-off"}]})
+        (tmp_path / "roadmap.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+        data = yaml.safe_load(front.inv.read_text())
+        data["gates"]["throughput"] = criterion["settings"]
+        write_inventory(front.inv, data)
+        assert kdctl("baseline", "record", "-b", "baseline", "--only", "throughput",
+                     "-i", inv).code == 0  # fmt: skip
+        run = kdctl(
+            "gate", "run", "throughput", "-b", "candidate", "--baseline", "baseline", "-i", inv,
+            "--json",
+        )  # fmt: skip
+        (result,) = json.loads(run.out)["results"]
+        assert result["verdict"] == "inconclusive", result["reasons"]
+        ratio = next(m["value"] for m in result["metrics"] if m["name"] == "c2.ratio")
+        assert ratio >= 0.05, result["metrics"]
+        unjudged = front.ask()
     finally:
         front.stop()
+    # The front down, the cutover is not done: the result stands in answer 3 for what it is.
+    assert kdctl("gate", "run", "health", "-b", "candidate", "-i", inv).code == 0
+    status = json.loads(kdctl("status", "-i", inv, "--json", "--timeout", "2").out)
+    blockers = status["answers"]["cutover"]["blockers"]
+    # Not a measured "no" beside a ratio that meets its bar: nothing was judged.
+    s = unjudged["serving"]
+    assert (s["backend"], s["speed_optimized"]) == ("candidate", "unmeasured"), s
+    said = unjudged["said"]
+    assert "speed: not judged (" in said and "x baseline shown; inconclusive)" in said, said
+    speed = next((b for b in blockers if b["criterion"] == "throughput:candidate"), None)
+    assert speed is not None, blockers
+    assert (speed["kind"], speed["verdict"]) == ("fail", "inconclusive"), speed
+    text = " ".join(kdctl("status", "-i", inv, "--timeout", "2").out.split())
+    assert "speed/throughput:candidate is inconclusive" in text, text
     s = unmeasured["serving"]
     assert (s["state"], s["backend"], s["speed_optimized"]) == (
         "serving",

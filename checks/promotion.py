@@ -48,6 +48,12 @@ def promotion_result(
 ) -> GateResult:
     """What a cutover or a rollback left the router doing, as evidence about `backend`."""
     sent = sum(w.get("sent", 0) for w in watches)
+    # The probes went through the front to either engine: where the new one's own counter
+    # says it served none of them, their failures (none, say) tell nothing of it.
+    served = [w.get("engine_requests") for w in watches]
+    known = all(isinstance(n, int | float) for n in served)
+    engine_requests = sum(n for n in served if isinstance(n, int | float)) if known else None
+    judged = sent > 0 and engine_requests != 0
     metrics = [
         Metric(
             name="weight",
@@ -58,25 +64,18 @@ def promotion_result(
         ),
         Metric(name="probe_requests", value=sent),
         # A cutover that sent no probe (blue-green has no watch) showed nothing about failures:
-        # no count, and no threshold to pass.
+        # no count, and no threshold to pass; nor did probes the new engine served none of.
         Metric(
             name="probe_failed",
             value=sum(w.get("failed", 0) for w in watches) if sent else None,
-            threshold=0 if sent else None,
-            comparison="==" if sent else None,
+            threshold=0 if judged else None,
+            comparison="==" if judged else None,
         ),
     ]
     if watches:
-        # The probes went through the front to either engine: how many the new one served,
-        # by its own counter, is what the watch measured of it (None where it gave none).
-        served = [w.get("engine_requests") for w in watches]
-        known = all(isinstance(n, int | float) for n in served)
-        metrics.append(
-            Metric(
-                name="engine_requests",
-                value=sum(n for n in served if isinstance(n, int | float)) if known else None,
-            )
-        )
+        # How many probes the new one served, by its own counter, is what the watch measured
+        # of it (None where it gave none).
+        metrics.append(Metric(name="engine_requests", value=engine_requests))
     if downtime_s is not None:
         metrics.append(Metric(name="downtime_s", value=downtime_s, unit="s"))
     notes = [str(w["engine_note"]) for w in watches if w.get("engine_note")]

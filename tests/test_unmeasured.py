@@ -165,3 +165,6 @@ def test_a_cutover_that_sent_no_probe_claims_no_probe_held(tmp_path: Path) -> No
     )
     metrics = {m.name: m.value for m in result.metrics}
     assert metrics["engine_requests"] == 0 and none_served in result.reasons
+    # Its none failed are the baseline's: shown, held to no threshold.
+    failed = next(m for m in result.metrics if m.name == "probe_failed")
+    assert (failed.value, failed.threshold, failed.passed) == (0, None, None), failed

@@ -243,12 +243,18 @@ class Blocker(BaseModel):
         return f"{self.phase}/{self.criterion}: {self.reason}" if self.criterion else self.reason
 
     @property
+    def said(self) -> str:
+        """Why it blocks, in a word or two: "fails", "is inconclusive", "never measured"."""
+        if self.kind == "not-answering":
+            return "not answering"
+        if self.kind == "fail":
+            return _UNJUDGED.get(self.verdict or "", _SAID["fail"])
+        return _SAID[self.kind]
+
+    @property
     def short(self) -> str:
         if self.criterion:
-            said = _SAID[self.kind]
-            if self.kind == "fail":
-                said = _UNJUDGED.get(self.verdict or "", said)
-            return f"{self.phase}/{self.criterion} {said}"
+            return f"{self.phase}/{self.criterion} {self.said}"
         return self.reason.split(":")[0]
 
 
@@ -279,7 +285,7 @@ class CutoverAnswer(BaseModel):
             done = c.serves_all
             since = f" since {done.since:%Y-%m-%d %H:%M}" if done.since else ""
             by = f" (cutover {done.cutover})" if done.cutover else ""
-            left = f"; {len(c.blockers)} prerequisites no longer hold" if c.blockers else ""
+            left = f"; prerequisites unmet: {_counted(c.blockers)}" if c.blockers else ""
             return _fit(
                 f"Cut over to {done.backend}: done; it serves all traffic{since}{by}{left}."
             )
@@ -619,6 +625,15 @@ def _assess(
         ],
     )
     return Readiness(answers=answers, phases=report, identities=identities)
+
+
+def _counted(blockers: list[Blocker]) -> str:
+    """How many blockers of each kind, in their order of importance: "1 fails, 3 never
+    measured". A prerequisite never measured is not one that no longer holds."""
+    counts: dict[str, int] = {}
+    for b in sorted(blockers, key=lambda b: _RANK[b.kind]):
+        counts[b.said] = counts.get(b.said, 0) + 1
+    return ", ".join(f"{n} {said}" for said, n in counts.items())
 
 
 def _blocker(c: CriterionStatus) -> Blocker:

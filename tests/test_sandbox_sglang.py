@@ -100,6 +100,11 @@ def test_sandbox_with_sglang_itself_as_baseline_behind_its_router(
             True,
             "candidate",
         )
+        # Forced past prerequisites never measured (its throughput, say): done, and what is
+        # left is said as what it is, never as results that "no longer hold".
+        line3 = re.search(r"^3\. .*$", kdctl("status", "-i", inv).out, re.M)
+        assert line3 and "; prerequisites unmet: " in line3.group(0), line3
+        assert " never measured." in line3.group(0) and "no longer" not in line3.group(0), line3
         with Load(FRONT) as back_load:
             back = kdctl("rollback", "--yes", "-i", inv, timeout=300)
         assert back.code == 0, back.out + back.err

@@ -340,6 +340,18 @@ def _health_instead(
     return refused
 
 
+def _not_asked(url: str, router: Router, why: str) -> FrontAnswer:
+    """The front refused the one-token generation, and its /health is the router's own: no
+    engine was heard behind it, so whether one serves is not known from here."""
+    return FrontAnswer(
+        url=url,
+        route="/generate",
+        answered=None,
+        detail=f"cannot be asked for a generation: {why}; {router.kind}'s own /health answers "
+        "whatever its workers do, so it tells nothing of who serves",
+    )
+
+
 def _ask_front(
     inv: LoadedInventory,
     client: httpx.Client,
@@ -376,9 +388,13 @@ def _ask_front(
             # its health route says. Only a route it lacks sends the probe to /health.
             error = exc
             if exc.status in _ROUTE_MISSING:
+                if router.own_health:
+                    return _not_asked(url, router, f"it has no {route} (HTTP {exc.status})")
                 route, started = "/health", time.monotonic()
                 error = _health_instead(hooked, url, key, timeout_s, exc, last)
         except BackendAuthError as exc:
+            if router.own_health:
+                return _not_asked(url, router, f"it refused kdctl's key ({exc})")
             route, started = "/health", time.monotonic()
             error = _health_instead(hooked, url, key, timeout_s, exc, last)
         except BackendError as exc:

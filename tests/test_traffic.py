@@ -306,6 +306,16 @@ def test_sglang_router_blue_green_and_rollback(
         refused = kdctl("cutover", "--to", "candidate", "--force", "--yes", "-i", keyless)
         assert refused.code == 3, refused.out + refused.err
         assert "GET /workers: HTTP 401: it wants an API key (router.api_key_env" in refused.err
+        # Its generation refused, the router's own /health (200 whatever its workers do)
+        # is no engine's answer: who serves is not known from here.
+        status = kdctl("status", "-i", keyless, "--json", "--timeout", "5")
+        serving = json.loads(status.out)["answers"]["serving"]
+        assert (serving["state"], serving["answered"], serving["backend"]) == (
+            "unknown",
+            None,
+            None,
+        ), serving
+        assert "own /health answers whatever its workers do" in serving["detail"], serving
         spec["router"]["api_key_env"] = "KDCTL_TEST_ROUTER_KEY"
         env = {"KDCTL_TEST_ROUTER_KEY": router.key}
     inv = str(write_inventory(tmp_path / "inv.yaml", spec))

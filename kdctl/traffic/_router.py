@@ -56,6 +56,10 @@ class Router(abc.ABC):
     # what it reads back may be written and not yet applied; a router read live runs what it
     # says.
     writes_then_applies: ClassVar[bool] = False
+    # Whether the front's /health is the router's own, answering whatever its engines do
+    # (SGLang's router: 200 with every worker dead), rather than passed to an engine (nginx):
+    # such a health says nothing of who serves.
+    own_health: ClassVar[bool] = False
 
     def __init__(self, inv: LoadedInventory, spec: RouterSpec, transport: Transport) -> None:
         self.inv = inv

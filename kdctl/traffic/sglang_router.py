@@ -224,6 +224,7 @@ class SGLangRouter(Router):
     capabilities: ClassVar[Capabilities] = Capabilities(
         weights=False, blue_green=True, read_back=True, drain=False
     )
+    own_health: ClassVar[bool] = True
     wait_s: ClassVar[float] = 60.0
     # One call of the worker API; a router that takes longer is reported, not waited on.
     call_timeout_s: ClassVar[float] = 10.0

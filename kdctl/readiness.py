@@ -1058,6 +1058,7 @@ def _front_now(probe: ServingProbe) -> FrontNow | None:
         backend=probe.backend if probe.answered else None,
         weights={k: v for k, v in probe.routed.weights.items() if v > 0},
         detail=probe.front.detail if probe.front is not None else probe.detail,
+        unread=probe.routed.error,
     )
 
 

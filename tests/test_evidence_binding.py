@@ -174,6 +174,12 @@ def test_a_promotion_holds_only_while_the_front_answers_from_it() -> None:
     assert down == "the front serves nothing (seen): all traffic on native is not seen"
     unknown = front(None, None, {"native": 100}).promoted("native")
     assert unknown is not None and "cannot be asked from here" in unknown
+    # One answer from native, the router's weights unread (its file out of reach, say):
+    # native serves, all traffic on it is not seen.
+    unread = FrontNow(answered=True, backend="native", weights={}, detail="seen", unread="SSH")
+    assert unread.promoted("native") == (
+        "the router's weights could not be read (SSH): all traffic on native is not seen"
+    )
 
 
 def test_an_engine_restarted_under_other_settings_makes_old_evidence_stale(

@@ -135,6 +135,16 @@ def test_gated_blue_green_canary_and_rollback_drop_no_request(front: dict[str, A
         return dict(phase["criteria"][0])
 
     assert moved()["state"] == "pass"
+    # nginx runs on, answering from the candidate, but its file cannot be read back: one
+    # answer shows the candidate serving, not that it serves all traffic.
+    hidden = front["include"].with_suffix(".away")
+    front["include"].rename(hidden)
+    try:
+        unread = moved()
+    finally:
+        hidden.rename(front["include"])
+    assert unread["state"] == "stale" and unread["stale_by"] == ["front"], unread
+    assert "the router's weights could not be read (" in unread["reason"], unread["reason"]
     from kdctl.inventory import load_inventory
     from kdctl.traffic.nginx import NginxRouter
     from kdctl.transports import TransportPool

@@ -200,12 +200,20 @@ class FrontNow:
     backend: str | None
     weights: dict[str, int]
     detail: str
+    # Why the router's weights could not be read back, where they could not: one answer
+    # through the front then shows an engine serving, not that it serves all traffic.
+    unread: str | None = None
 
     def promoted(self, backend: str) -> str | None:
         """Why a recorded promotion of `backend` does not hold now; None when it does."""
         if self.answered is not True:
             now = "serves nothing" if self.answered is False else "cannot be asked from here"
             return f"the front {now} ({self.detail}): all traffic on {backend} is not seen"
+        if self.unread is not None:
+            return (
+                f"the router's weights could not be read ({self.unread}): all traffic on "
+                f"{backend} is not seen"
+            )
         if self.backend == backend and self.weights in ({}, {backend: 100}):
             return None
         if self.backend is None and self.weights == {backend: 100}:

@@ -467,7 +467,15 @@ def _ask_front(
 
 
 def _without_router(engines: list[EngineAnswer]) -> ServingProbe:
-    up = [e.name + (f" ({e.reached})" if e.reached else "") for e in engines if e.serves]
+    # One whose generation was not tried (or refused kdctl's key) answered its health only,
+    # and is said so: a health is not a generation.
+    up = [
+        e.name
+        + (f" ({e.reached})" if e.reached else "")
+        + (f" (health only: {e.detail})" if e.generated is None and e.detail else "")
+        for e in engines
+        if e.serves
+    ]
     others = [f"{e.name} is {_engine_words(e)}" for e in engines if not e.serves]
     if up:
         detail = (

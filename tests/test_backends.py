@@ -627,3 +627,28 @@ def test_a_request_dropped_unanswered_is_sent_once_more_and_twice_is_reported() 
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_status_says_an_engine_was_heard_on_its_health_only(
+    keyed_server: Served, tmp_path: Path
+) -> None:
+    """No router, and an engine whose generation wants a key kdctl was not given: its
+    health answers, so it is listed as answering, and the line says it was heard on its
+    health alone, never as if it had generated."""
+    from tests.conftest import kdctl, write_inventory
+
+    inv = write_inventory(
+        tmp_path / "inv.yaml",
+        {
+            "hosts": {"local": {"transport": "local"}},
+            "backends": {"keyed": {"kind": "sglang", "host": "local", "url": keyed_server.url}},
+            "state_dir": "state",
+        },
+    )
+    serving = json.loads(kdctl("status", "-i", str(inv), "--json").out)["answers"]["serving"]
+    (engine,) = serving["engines"]
+    assert (engine["state"], engine["generated"]) == ("up", None), engine
+    assert (
+        "answering on their own URLs: keyed (health only: health answers; generation "
+        in (serving["detail"])
+    ), serving["detail"]

@@ -85,3 +85,27 @@ def test_a_baseline_window_of_its_own_and_coverage_in_status(
     assert re.match(r"recorded \d+s ago, past the baseline window of 1s", api["why"]), api
     text = kdctl("status", "-i", str(short), "--timeout", "5")
     assert "Recorded baselines" in text.out and "past the baseline window" in text.out
+
+    # The engine down on a host that cannot be reached: nothing it or its host says now can
+    # be held against the record, so it is not said to describe it.
+    away = write_inventory(
+        tmp_path / "away.yaml",
+        {
+            "hosts": {
+                "box": {
+                    "transport": "ssh",
+                    "address": "127.0.0.1",
+                    "port": free_port(),
+                    "user": "root",
+                    "connect_timeout_s": 2,
+                },
+            },
+            "backends": {
+                "baseline": {"kind": "sglang", "host": "box", "url": "http://127.0.0.1:9"}
+            },
+            "state_dir": "state",
+        },
+    )
+    doc = json.loads(kdctl("status", "-i", str(away), "--json", "--timeout", "5").out)
+    (api,) = doc["baselines"]
+    assert api["current"] is False and "nothing now to hold the record to" in api["why"], api

@@ -643,6 +643,15 @@ def test_candidate_wedged_or_down_blocks_the_cutover_in_every_answer(
         failing = front.ask()
         failing_json = json.loads(kdctl("status", "-i", inv, "--json", "--timeout", "2").out)
         failing_text = kdctl("status", "-i", inv, "--timeout", "2").out
+        # Forced past that answer, the cutover's own check through the front generates: the
+        # health answering through nginx does not make it done.
+        forced = kdctl("cutover", "--to", "candidate", "--strategy", "blue-green", "--force",
+                       "--yes", "-i", inv, "--json")  # fmt: skip
+        assert forced.code == 1, forced.out + forced.err
+        outcome = json.loads(forced.out)
+        assert outcome["state"] == "rolled_back", outcome
+        assert "no generation from candidate through the front" in outcome["reason"], outcome
+        assert outcome["router"]["weights"] == {"baseline": 100}, outcome
         reload("generate", "health")
         wedged = front.ask()
         stop_nginx(pidfile)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
-from kdctl.backends import HEALTH_TIMEOUT_S
+from kdctl.backends import HEALTH_TIMEOUT_S, GenerateRequest, make_backend
+from kdctl.backends.errors import BackendAuthError, BackendError, BackendHTTPError
 from kdctl.errors import InfraError
-from kdctl.inventory import LoadedInventory, RouterSpec
+from kdctl.inventory import BackendSpec, LoadedInventory, RouterSpec
 from kdctl.transports import Transport
 
 # The header every front names the backend that answered with, so a probe can tell.
@@ -60,6 +62,8 @@ class Router(abc.ABC):
     # (SGLang's router: 200 with every worker dead), rather than passed to an engine (nginx):
     # such a health says nothing of who serves.
     own_health: ClassVar[bool] = False
+    # How long a change is given to answer a generation through the router.
+    confirm_s: ClassVar[float] = 10.0
 
     def __init__(self, inv: LoadedInventory, spec: RouterSpec, transport: Transport) -> None:
         self.inv = inv
@@ -105,6 +109,35 @@ class Router(abc.ABC):
         if state.weights != {k: v for k, v in weights.items() if v > 0} or state.draining:
             raise RouterError(f"read back {state.weights}, not {weights}")
         return state
+
+    def _generates(
+        self,
+        target: str,
+        spec: BackendSpec,
+        key: SecretStr | None,
+        how: str,
+        deadline_s: float | None = None,
+    ) -> None:
+        """A one-token generation from `target` at `spec.url`, tried until the deadline; a
+        refusal that trying again cannot change (a key, a bad request) ends it at once."""
+        limit = self.confirm_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + limit
+        while True:
+            left = max(deadline - time.monotonic(), 0.5)
+            try:
+                with make_backend(target, spec, api_key=key, timeout=left) as be:
+                    be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1))
+                return
+            except BackendError as exc:
+                final = isinstance(exc, BackendAuthError) or (
+                    isinstance(exc, BackendHTTPError) and 400 <= exc.status < 500
+                )
+                if final or time.monotonic() >= deadline:
+                    raise RouterError(
+                        f"{self.kind} at {self.front_url}: no generation from {target} {how} "
+                        f"succeeded within {limit:g}s: {exc}"
+                    ) from None
+            time.sleep(0.2)
 
     def describe_source(self, state: RouterState) -> str:
         """Where the weights read back came from, as status says it."""

@@ -28,12 +28,10 @@ from typing import Any, ClassVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import SecretStr
 
 from kdctl._httpclient import http_client
-from kdctl.backends import GenerateRequest, bearer, make_backend
-from kdctl.backends.errors import BackendAuthError, BackendError, BackendHTTPError
-from kdctl.inventory import BackendSpec, LoadedInventory, RouterSpec, SGLangRouterSpec
+from kdctl.backends import bearer
+from kdctl.inventory import LoadedInventory, RouterSpec, SGLangRouterSpec
 from kdctl.traffic._router import (
     Capabilities,
     Router,
@@ -228,8 +226,6 @@ class SGLangRouter(Router):
     wait_s: ClassVar[float] = 60.0
     # One call of the worker API; a router that takes longer is reported, not waited on.
     call_timeout_s: ClassVar[float] = 10.0
-    # How long a change is given to answer a generation through the router.
-    confirm_s: ClassVar[float] = 10.0
 
     def __init__(self, inv: LoadedInventory, spec: RouterSpec, transport: Transport) -> None:
         super().__init__(inv, spec, transport)
@@ -360,35 +356,6 @@ class SGLangRouter(Router):
             spec = self.inv.backends[target].model_copy(update={"url": front})
             self._generates(target, spec, key, f"through {front}", deadline_s)
         return state
-
-    def _generates(
-        self,
-        target: str,
-        spec: BackendSpec,
-        key: SecretStr | None,
-        how: str,
-        deadline_s: float | None = None,
-    ) -> None:
-        """A one-token generation from `target` at `spec.url`, tried until the deadline; a
-        refusal that trying again cannot change (a key, a bad request) ends it at once."""
-        limit = self.confirm_s if deadline_s is None else deadline_s
-        deadline = time.monotonic() + limit
-        while True:
-            left = max(deadline - time.monotonic(), 0.5)
-            try:
-                with make_backend(target, spec, api_key=key, timeout=left) as be:
-                    be.generate(GenerateRequest(input_ids=[1], max_new_tokens=1))
-                return
-            except BackendError as exc:
-                final = isinstance(exc, BackendAuthError) or (
-                    isinstance(exc, BackendHTTPError) and 400 <= exc.status < 500
-                )
-                if final or time.monotonic() >= deadline:
-                    raise RouterError(
-                        f"sglang-router at {self.front_url}: no generation from {target} {how} "
-                        f"succeeded within {limit:g}s: {exc}"
-                    ) from None
-            time.sleep(0.2)
 
     def _wait(
         self,

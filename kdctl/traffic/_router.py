@@ -139,6 +139,15 @@ class Router(abc.ABC):
                     ) from None
             time.sleep(0.2)
 
+    def _generates_through(
+        self, front: str, target: str, how: str, deadline_s: float | None = None
+    ) -> None:
+        """A one-token generation from `target` through the front at `front`, in its protocol
+        and with the key a client sends there: the router's own, else the engine's."""
+        spec = self.inv.backends[target].model_copy(update={"url": front})
+        key = self.inv.router_api_key() or self.inv.api_key(target)
+        self._generates(target, spec, key, how, deadline_s)
+
     def describe_source(self, state: RouterState) -> str:
         """Where the weights read back came from, as status says it."""
         return state.source

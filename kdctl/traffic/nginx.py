@@ -314,11 +314,9 @@ class NginxRouter(Router):
                     )
                 time.sleep(0.05)
         if len(serving) == 1:
-            # In the engine's protocol, with the key its clients send through nginx.
             (target,) = serving
-            spec = self.inv.backends[target].model_copy(update={"url": self.front_url})
             left = max(deadline - time.monotonic(), 1.0)
-            self._generates(target, spec, self.inv.api_key(target), "through the front", left)
+            self._generates_through(self.front_url, target, "through the front", left)
         return state
 
 

@@ -348,13 +348,10 @@ class SGLangRouter(Router):
                     f"sglang-router at {front} lists {theirs.serving}, not {state.serving}: "
                     "its registry differs from the first gateway's"
                 )
-        # The protocol and key of the backends it sends to (a pool's replicas speak alike):
-        # what a client sends through it, the router's own key, else the engine's.
+        # In the protocol of the backends it sends to (a pool's replicas speak alike).
         target = state.serving[0]
-        key = self.inv.router_api_key() or self.inv.api_key(target)
         for front in self.fronts:
-            spec = self.inv.backends[target].model_copy(update={"url": front})
-            self._generates(target, spec, key, f"through {front}", deadline_s)
+            self._generates_through(front, target, f"through {front}", deadline_s)
         return state
 
     def _wait(

@@ -292,9 +292,9 @@ def baseline_gaps(
     a swap) to what its host shows (the checkpoint's fingerprint, the host's id) and the
     inventory declares."""
     fields = None if live else ("weights", "host_id")
-    if not live and current.weights is None and current.host_id is None:
+    if fields is not None and all(getattr(current, f) is None for f in fields):
         # Neither the engine nor its host answered: nothing now to hold the record to, and a
-        # comparison of nothing finds no difference.
+        # comparison skips what is not known, so it would find no difference.
         return ["neither it nor its host could be read: nothing now to hold the record to"]
     gaps = b.provenance.differs_from(current, fields)
     window = baseline_window(inv, b.kind)
